@@ -1,0 +1,47 @@
+"""The paper's benchmarks (Section 5.1) as gymnasium environments with text observations.
+
+Every env follows one small contract, which `rollout.py` and `analyzer.py` rely on:
+
+    env = envs.make(name, **kwargs)       # kwargs: split, data paths, history_length, max_steps, ...
+    obs, info = env.reset(seed=task_id)   # the same task_id always gives the same task
+    obs, reward, terminated, truncated, info = env.step(raw_model_response)
+    env.prompt()                          # the actor prompt for the current turn (a user message)
+
+Attributes: `name`, `task` (the task text), `family` (task family, e.g. "heat" for ALFWorld),
+`max_steps`, `reward_scale` (episode reward of a win), `invalid_penalty`, `num_tasks` (how many
+distinct task ids the split holds). The prompt contains one line starting with `task_line(name)`
+(below), after which a skill is inserted. `info` holds `won`, `valid`, `action` (the parsed action, "" when
+invalid), `admissible` (list of actions, when the env has such a list) and, from `reset`,
+`expert_plan` where the env can compute one (used by the scripted analyzer of Stage 1).
+`step` never raises on bad text: the response is then an invalid action with an explanatory
+observation. Rewards: `reward_scale * won` on the step that ends the episode with a win (search QA:
+exact match), 0 otherwise; the invalid-action penalty is applied by the trainer (grpo.py).
+"""
+
+NAMES = ("alfworld", "sokoban", "ezpoints", "search", "webshop")
+
+
+def make(name, **kwargs):
+    """Build one environment by name (plain if-chain: the five benchmarks and nothing else)."""
+    if name == "alfworld":
+        from envs.alfworld import AlfWorldEnv
+        return AlfWorldEnv(**kwargs)
+    if name == "sokoban":
+        from envs.sokoban import SokobanEnv
+        return SokobanEnv(**kwargs)
+    if name == "ezpoints":
+        from envs.ezpoints import EZPointsEnv
+        return EZPointsEnv(**kwargs)
+    if name == "search":
+        from envs.search import SearchEnv
+        return SearchEnv(**kwargs)
+    if name == "webshop":
+        from envs.webshop import WebShopEnv
+        return WebShopEnv(**kwargs)
+    raise ValueError(f"unknown env {name!r}; choose one of {', '.join(NAMES)}")
+
+
+def task_line(name):
+    """The prompt-line prefix after which `analyzer.insert_skill` puts the skill block."""
+    return {"alfworld": "Your task is to:", "sokoban": "Your task is to:", "ezpoints": "Your task is to:",
+            "search": "Your question:", "webshop": "Your task is to:"}[name]
