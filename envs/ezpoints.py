@@ -1,0 +1,242 @@
+"""EZPoints (Section 5.1; gym_cards' "EZPoints" as used by verl-agent/GiGPO, text version).
+
+Two playing cards are dealt; the agent writes an arithmetic expression that equals 12, using each
+card's value exactly once, one token per step: a card value, an operator (+ - * /) or `=`. J, Q and
+K count as 10 (as in gym_cards). `=` ends the episode and the formula is evaluated by the small
+recursive-descent parser below over exact fractions (never Python's `eval`). Only card pairs that
+admit a solution are dealt: the task list is every ordered pair of the 52 cards whose values an
+exhaustive search can combine into 12 (e.g. 4 and 8 by +, 3 and 4 by *). Reward 10 on a correct `=`.
+"""
+import itertools
+from fractions import Fraction
+
+import gymnasium as gym
+import numpy as np
+
+import envs
+
+TARGET = 12
+OPERATORS = ["+", "-", "*", "/"]
+SUITS = ["hearts", "spades", "diamonds", "clubs"]
+RANKS = ["A", "2", "3", "4", "5", "6", "7", "8", "9", "10", "J", "Q", "K"]
+RANK_VALUE = {r: min(i + 1, 10) for i, r in enumerate(RANKS)}
+
+
+# ----------------------------------------------------------------------------- parser
+
+class ParseError(ValueError):
+    pass
+
+
+def evaluate(tokens):
+    """Value of a token list under the grammar  expr := term (('+'|'-') term)*,
+    term := number (('*'|'/') number)*  as an exact Fraction. Raises ParseError on bad syntax,
+    division by zero or an unknown token."""
+    pos = 0
+
+    def peek():
+        return tokens[pos] if pos < len(tokens) else None
+
+    def number():
+        nonlocal pos
+        tok = peek()
+        if tok is None or not (isinstance(tok, str) and tok.isdigit() and tok.isascii()):
+            raise ParseError(f"expected a number at position {pos}, got {tok!r}")
+        pos += 1
+        return Fraction(int(tok))
+
+    def term():
+        nonlocal pos
+        value = number()
+        while peek() in ("*", "/"):
+            op = peek()
+            pos += 1
+            rhs = number()
+            if op == "/" and rhs == 0:
+                raise ParseError("division by zero")
+            value = value * rhs if op == "*" else value / rhs
+        return value
+
+    def expr():
+        nonlocal pos
+        value = term()
+        while peek() in ("+", "-"):
+            op = peek()
+            pos += 1
+            rhs = term()
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    value = expr()
+    if pos != len(tokens):
+        raise ParseError(f"unexpected token {tokens[pos]!r} at position {pos}")
+    return value
+
+
+def solutions(values, target=TARGET):
+    """Exhaustive search: every formula (token list, `=` excluded) that uses each value once,
+    in any order, joined by any operators, and evaluates to `target`."""
+    found = []
+    for perm in sorted(set(itertools.permutations(values))):
+        for ops in itertools.product(OPERATORS, repeat=len(values) - 1):
+            tokens = [str(perm[0])]
+            for op, v in zip(ops, perm[1:]):
+                tokens += [op, str(v)]
+            try:
+                if evaluate(tokens) == target:
+                    found.append(tokens)
+            except ParseError:
+                pass
+    return found
+
+
+def all_tasks():
+    """Every ordered pair of distinct cards (rank, suit) whose values can make TARGET."""
+    cards = [(r, s) for s in SUITS for r in RANKS]
+    return [(a, b) for a, b in itertools.permutations(cards, 2)
+            if solutions([RANK_VALUE[a[0]], RANK_VALUE[b[0]]])]
+
+
+TASKS = all_tasks()
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def parse_action(text, admissible):
+    """The text inside exactly one <action>...</action>; None when missing, repeated, non-ASCII or
+    not admissible."""
+    if not isinstance(text, str) or text.count("<action>") != 1 or text.count("</action>") != 1:
+        return None
+    start, end = text.index("<action>") + len("<action>"), text.index("</action>")
+    if end < start:
+        return None
+    action = text[start:end].strip()
+    if not action.isascii() or action not in admissible:
+        return None
+    return action
+
+
+# ----------------------------------------------------------------------------- env
+
+def card_name(card):
+    rank, suit = card
+    full = {"A": "ace", "J": "jack", "Q": "queen", "K": "king"}.get(rank, rank)
+    return f"{full} of {suit}"
+
+
+class EZPointsEnv(gym.Env):
+    """Build an expression equal to 12 from two cards, one token per step (module docstring).
+    `split` is accepted for the common interface: the pool of dealable pairs is small (gym_cards
+    draws train and eval hands from one distribution), so every split deals from all of it, each
+    in its own fixed shuffled order."""
+
+    name = "ezpoints"
+    reward_scale = 10.0
+    invalid_penalty = 0.1
+
+    def __init__(self, split="train", max_steps=5, history_length=2):
+        order = np.random.default_rng({"train": 0, "valid": 1, "test": 2}.get(split, 3))
+        self.order = order.permutation(len(TASKS))
+        self.split, self.max_steps, self.history_length = split, max_steps, history_length
+        self.num_tasks = len(TASKS)
+        self.family = "ezpoints"
+        self.task = ""
+        self.cards = None
+
+    # -- gymnasium API
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        task_id = int(seed) if seed is not None else int(self.np_random.integers(self.num_tasks))
+        self.task_id = task_id % self.num_tasks
+        self.cards = TASKS[int(self.order[self.task_id])]
+        self.values = [RANK_VALUE[r] for r, _ in self.cards]
+        self.task = (f"write a formula that equals {TARGET} using the values of the cards "
+                     f"{card_name(self.cards[0])} and {card_name(self.cards[1])}, each exactly once.")
+        self.formula, self.steps, self.history, self.done = [], 0, [], False
+        self.obs = self._observation()
+        plan = solutions(self.values)[0] + ["="]
+        info = dict(task=self.task, family=self.family, admissible=self.admissible(),
+                    expert_plan=plan, won=False, valid=True, action="")
+        return self.obs, info
+
+    def admissible(self):
+        """Card values not used yet, the operators, and `=`."""
+        left = list(self.values)
+        for tok in self.formula:
+            if tok.isdigit() and int(tok) in left:
+                left.remove(int(tok))
+        return sorted({str(v) for v in left}, key=int) + OPERATORS + ["="]
+
+    def step(self, text):
+        if self.cards is None:
+            raise RuntimeError("call reset() before step()")
+        if self.done:
+            info = dict(won=False, valid=False, action="", admissible=[])
+            return "The episode is over; call reset().", 0.0, True, False, info
+        action = parse_action(text, self.admissible())
+        won = terminated = False
+        if action is None:
+            obs = (f"Invalid action. Reply with one of {', '.join(self.admissible())} inside "
+                   f"<action></action>.\n" + self._observation())
+        elif action == "=":
+            terminated = True
+            won, verdict = self._check()
+            obs = f"Formula: {' '.join(self.formula)} = . {verdict}"
+        else:
+            self.formula.append(action)
+            obs = self._observation()
+        self.history.append((self.obs, action if action is not None else "(invalid)"))
+        self.steps += 1
+        truncated = not terminated and self.steps >= self.max_steps
+        self.done, self.obs = terminated or truncated, obs
+        info = dict(won=won, valid=action is not None, action=action or "", admissible=self.admissible())
+        return obs, self.reward_scale if won else 0.0, terminated, truncated, info
+
+    def _check(self):
+        numbers = sorted(int(t) for t in self.formula if t.isdigit())
+        if numbers != sorted(self.values):
+            return False, "Wrong: the formula must use each card's value exactly once."
+        try:
+            value = evaluate(self.formula)
+        except ParseError as e:
+            return False, f"Wrong: the formula is not well formed ({e})."
+        if value == TARGET:
+            return True, f"Correct: it equals {TARGET}."
+        return False, f"Wrong: it equals {value}, not {TARGET}."
+
+    def _observation(self):
+        cards = ", ".join(f"{card_name(c)} (value {v})" for c, v in zip(self.cards, self.values))
+        formula = " ".join(self.formula) if self.formula else "(empty)"
+        return f"Cards: {cards}. Formula so far: {formula}"
+
+    # -- contract extras
+    def expert_action(self):
+        """Next token of a solution that extends the current formula; None when none does."""
+        if self.cards is None or self.done:
+            return None
+        n = len(self.formula)
+        for sol in solutions(self.values):
+            if sol[:n] == self.formula:
+                return sol[n] if n < len(sol) else "="
+        return None
+
+    def prompt(self):
+        lines = [
+            "You are an expert card-game player. Cards J, Q and K count as 10, A as 1.",
+            f"{envs.task_line(self.name)} {self.task}",
+            f"Rules: you add one token per step: a card value, an operator ({' '.join(OPERATORS)}), "
+            f"or '=' to finish; '=' evaluates the formula with the usual precedence. You have at most "
+            f"{self.max_steps} steps.",
+        ]
+        recent = self.history[-self.history_length:] if self.history_length > 0 else []
+        if recent:
+            lines.append(f"Prior to this step you have taken {self.steps} step(s). Your last "
+                         f"{len(recent)} observation(s) and action(s):")
+            first = self.steps - len(recent) + 1
+            for k, (obs, act) in enumerate(recent):
+                lines.append(f"[Observation {first + k}] {obs}\n[Action {first + k}] {act}")
+        lines.append(f"You are now at step {self.steps + 1}. Current observation: {self.obs}")
+        lines.append(f"Your admissible actions are: {', '.join(self.admissible())}.")
+        lines.append("First think step by step inside <think> </think>, then give exactly one "
+                     "token inside <action> </action>, for example <action>+</action>.")
+        return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""WebShop (Section 5.1; Yao et al. 2022) through the official text environment.
+
+This is an adapter: the shop itself (1.18M scraped Amazon products, 12k human instructions, the
+search engine and the reward that scores the bought product against the instruction) is the official
+`web_agent_site` package's `WebAgentTextEnv`, used when it and its data are installed:
+
+    git clone https://github.com/princeton-nlp/WebShop && cd WebShop
+    ./setup.sh -d small        # or -d all: product data, goals, search index (needs Java for pyserini)
+    pip install -e .
+
+The adapter parses `<action>search[query]</action>` / `<action>click[button]</action>`, checks it
+against the page's available actions (search only where the page has a search bar, click only on a
+listed clickable), steps the official env, and reports `score` (the official reward in [0, 1]) and
+`won` (score == 1). Episode reward = 10 * won, as verl-agent trains it. Splits follow the WebShop
+paper's goal indices: test = goals [0, 500), valid = [500, 1500), train = [1500, end).
+One SimServer (products + search engine) is loaded per process and shared by all adapters; each
+adapter has its own session prefix, so a group of envs can play the same goal at once.
+"""
+import itertools
+import os
+import re
+
+import gymnasium as gym
+
+import envs
+
+SPLITS = {"test": (0, 500), "valid": (500, 1500), "train": (1500, None)}
+INSTALL = ("install the official WebShop environment: git clone https://github.com/princeton-nlp/WebShop; "
+           "cd WebShop; ./setup.sh -d small (or -d all); pip install -e .")
+ACTION_RE = re.compile(r"^(search|click)\[(.+)\]$", re.DOTALL)
+_SERVERS = {}                 # (num_products, human_goals) -> the official SimServer, loaded once
+_IDS = itertools.count()      # session prefixes: one per adapter instance
+
+
+def official_env(num_products=None, human_goals=True, session_prefix=""):
+    """An official WebAgentTextEnv in text mode, sharing one SimServer per configuration."""
+    try:
+        from web_agent_site.envs.web_agent_text_env import WebAgentTextEnv
+        from web_agent_site.utils import DEFAULT_FILE_PATH
+    except ImportError as e:
+        raise RuntimeError(f"WebShop needs the `web_agent_site` package ({e}); {INSTALL}") from None
+    if not os.path.exists(DEFAULT_FILE_PATH):
+        raise RuntimeError(f"WebShop product data missing at {DEFAULT_FILE_PATH}; {INSTALL}")
+    key = (num_products, bool(human_goals))
+    env = WebAgentTextEnv(observation_mode="text", num_products=num_products, human_goals=human_goals,
+                          server=_SERVERS.get(key), session_prefix=session_prefix)
+    _SERVERS[key] = env.server
+    return env
+
+
+def parse_action(text):
+    """-> "search[...]" or "click[...]" from exactly one <action>...</action>, else None."""
+    if not isinstance(text, str) or text.count("<action>") != 1 or text.count("</action>") != 1:
+        return None
+    start, end = text.index("<action>") + len("<action>"), text.index("</action>")
+    if end < start:
+        return None
+    m = ACTION_RE.match(text[start:end].strip())
+    if m is None or not m.group(2).strip() or not m.group(2).isascii():
+        return None
+    return f"{m.group(1)}[{m.group(2).strip()}]"
+
+
+class WebShopEnv(gym.Env):
+    """Buy the product that matches the instruction (module docstring). `text_env`: an object with
+    the official WebAgentTextEnv interface (reset(session), step(action), get_available_actions(),
+    instruction_text, server.goals); built from the installed package when None."""
+
+    name = "webshop"
+    reward_scale = 10.0
+    invalid_penalty = 0.1
+
+    def __init__(self, split="train", max_steps=15, history_length=2, num_products=None,
+                 human_goals=True, text_env=None):
+        if split not in SPLITS:
+            raise ValueError(f"unknown webshop split {split!r}; choose one of {', '.join(SPLITS)}")
+        self.web = text_env or official_env(num_products, human_goals, f"a{next(_IDS)}-")
+        lo, hi = SPLITS[split]
+        self.goal_ids = list(range(lo, min(hi or 10**9, len(self.web.server.goals))))
+        if not self.goal_ids:
+            raise ValueError(f"WebShop split {split!r} is empty: the server holds "
+                             f"{len(self.web.server.goals)} goals")
+        self.split, self.max_steps, self.history_length = split, max_steps, history_length
+        self.num_tasks = len(self.goal_ids)
+        self.task, self.family, self.goal = "", "", None
+
+    # -- gymnasium API
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        task_id = int(seed) if seed is not None else int(self.np_random.integers(self.num_tasks))
+        self.task_id = task_id % self.num_tasks
+        session = self.goal_ids[self.task_id]
+        obs, _ = self.web.reset(session=session)
+        self.goal = self.web.server.goals[session]
+        self.task = re.sub(r"^\s*instruction:\s*", "", str(self.web.instruction_text), flags=re.I).strip()
+        self.family = str(self.goal.get("category") or "webshop")
+        self.steps, self.history, self.done, self.clicked = 0, [], False, set()
+        self.obs = self._clean(obs)
+        info = dict(task=self.task, family=self.family, admissible=self.admissible(),
+                    expert_plan=self._ideal_plan(), won=False, valid=True, action="", score=0.0)
+        return self.obs, info
+
+    def admissible(self):
+        avail = self.web.get_available_actions()
+        acts = ["search[<your query>]"] if avail.get("has_search_bar") else []
+        return acts + [f"click[{c}]" for c in avail.get("clickables", []) if c != "search"]
+
+    def _check(self, action):
+        """The action normalised the way the official env reads it, or None if not available."""
+        if action is None:
+            return None
+        avail = self.web.get_available_actions()
+        kind, arg = action.split("[", 1)
+        arg = arg[:-1]
+        if kind == "search":
+            return action if avail.get("has_search_bar") else None
+        arg = arg.lower()
+        return f"click[{arg}]" if arg != "search" and arg in avail.get("clickables", []) else None
+
+    def step(self, text):
+        if self.goal is None:
+            raise RuntimeError("call reset() before step()")
+        if self.done:
+            return "The episode is over; call reset().", 0.0, True, False, dict(
+                won=False, valid=False, action="", admissible=[], score=0.0)
+        action = self._check(parse_action(text))
+        score, terminated = 0.0, False
+        if action is None:
+            obs = ("Invalid action. Choose one of the admissible actions and write it inside "
+                   "<action></action>, e.g. <action>click[buy now]</action>.\n" + self.obs)
+        else:
+            raw, score, terminated, _ = self.web.step(action)
+            score = float(score or 0.0)
+            obs = self._clean(raw)
+            if action.startswith("click["):
+                self.clicked.add(action[6:-1])
+        won = bool(terminated and score >= 1.0)
+        self.history.append((self.obs, action or "(invalid)"))
+        self.steps += 1
+        truncated = not terminated and self.steps >= self.max_steps
+        self.done, self.obs = bool(terminated or truncated), obs
+        info = dict(won=won, valid=action is not None, action=action or "", score=score,
+                    admissible=[] if self.done else self.admissible())
+        return obs, self.reward_scale if won else 0.0, bool(terminated), truncated, info
+
+    def _clean(self, obs):
+        """Drop the page header and instruction that the text observation repeats on every page."""
+        parts = [p.strip() for p in str(obs).split("[SEP]")]
+        if len(parts) > 3 and parts[0] == "WebShop" and parts[1].lower().startswith("instruction"):
+            parts = parts[3:]
+        return " [SEP] ".join(p for p in parts if p)
+
+    # -- scripted expert (from the goal record: its product asin and options)
+    def _options(self):
+        opts = self.goal.get("goal_options") or []
+        return [str(o).lower() for o in (opts.values() if isinstance(opts, dict) else opts)]
+
+    def _ideal_plan(self):
+        query = self.goal.get("query") or self.task
+        asin = str(self.goal.get("asin", "")).lower()
+        return [f"search[{query}]", f"click[{asin}]"] + [f"click[{o}]" for o in self._options()] + ["click[buy now]"]
+
+    def expert_action(self):
+        """Search the goal's query, open the goal product (paging through results), pick its
+        options, buy. None when the product is not reachable from this page."""
+        if self.goal is None or self.done:
+            return None
+        avail = self.web.get_available_actions()
+        clickables = avail.get("clickables", [])
+        asin = str(self.goal.get("asin", "")).lower()
+        if avail.get("has_search_bar"):
+            return f"search[{self.goal.get('query') or self.task}]"
+        if "buy now" in clickables:
+            todo = [o for o in self._options() if o in clickables and o not in self.clicked]
+            return f"click[{todo[0]}]" if todo else "click[buy now]"
+        if asin in clickables:
+            return f"click[{asin}]"
+        if "next >" in clickables:
+            return "click[next >]"
+        return None
+
+    def prompt(self):
+        lines = [
+            "You are an expert autonomous agent shopping in the WebShop online store.",
+            f"{envs.task_line(self.name)} {self.task}",
+        ]
+        recent = self.history[-self.history_length:] if self.history_length > 0 else []
+        if recent:
+            lines.append(f"Prior to this step you have taken {self.steps} step(s). Your last "
+                         f"{len(recent)} observation(s) and action(s):")
+            first = self.steps - len(recent) + 1
+            for k, (obs, act) in enumerate(recent):
+                lines.append(f"[Observation {first + k}] {obs}\n[Action {first + k}] {act}")
+        lines.append(f"You are now at step {self.steps + 1}. Current page: {self.obs}")
+        lines.append(f"Your admissible actions are: {', '.join(self.admissible())}.")
+        lines.append("First think step by step inside <think> </think>, then give exactly one "
+                     "admissible action inside <action> </action>, for example "
+                     "<action>search[red cotton t-shirt]</action> or <action>click[buy now]</action>.")
+        return "\n".join(lines)
