@@ -102,11 +102,13 @@ def make_handler(index):
         def do_POST(self):
             if self.path.rstrip("/") != "/retrieve":
                 return self._send(404, {"error": f"unknown path {self.path}; use POST /retrieve"})
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
+            length = self.headers.get("Content-Length", "")
+            if not length.isdigit():
+                return self._send(411, {"error": "a JSON body with a Content-Length header is required"})
+            if int(length) > MAX_BODY:
                 return self._send(413, {"error": f"body over {MAX_BODY} bytes"})
             try:
-                queries, topk, with_scores = parse_request(self.rfile.read(length))
+                queries, topk, with_scores = parse_request(self.rfile.read(int(length)))
             except ValueError as e:
                 return self._send(400, {"error": str(e)})
             hits = index.search(queries, topk)

@@ -15,6 +15,7 @@ Data: Search-R1's processed parquet files (columns `question`, `golden_answers`,
 `reward_model.ground_truth.target`; needs pyarrow) or JSONL with `{"question", "golden_answers"}`
 (optional `data_source`). Default: the small QA set shipped in envs/data/search_qa/.
 """
+import functools
 import json
 import os
 import re
@@ -149,10 +150,16 @@ def load_examples(data=None, split="train"):
             raise FileNotFoundError(f"no {split}.parquet or {split}.jsonl in {path}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"search QA data not found: {path}")
+    return _load_file(os.path.abspath(path), os.path.getmtime(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_file(path, mtime):
+    """Parsed once per process (a rollout builds hundreds of envs over the same file); shared, read-only."""
     rows = load_parquet(path) if path.endswith(".parquet") else load_jsonl(path)
     if not rows:
         raise ValueError(f"{path} holds no questions")
-    return [to_example(r, f"{path} row {i}") for i, r in enumerate(rows)]
+    return tuple(to_example(r, f"{path} row {i}") for i, r in enumerate(rows))
 
 
 # ----------------------------------------------------------------------------- parsing

@@ -288,7 +288,7 @@ def test_search_data_loaders(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     ex = search.load_examples(str(tmp_path), "train")
-    assert ex == [{"question": "who wrote hamlet?", "answers": ["Shakespeare"], "source": "nq"}]
+    assert list(ex) == [{"question": "who wrote hamlet?", "answers": ["Shakespeare"], "source": "nq"}]
     # a row that kept only the chat prompt and the reward model (Search-R1's verl columns)
     slim = {"prompt": rows[0]["prompt"], "reward_model": rows[0]["reward_model"], "data_source": "nq"}
     assert search.load_examples([slim])[0]["answers"] == ["Shakespeare"]
