@@ -20,6 +20,7 @@ OPERATORS = ["+", "-", "*", "/"]
 SUITS = ["hearts", "spades", "diamonds", "clubs"]
 RANKS = ["A", "2", "3", "4", "5", "6", "7", "8", "9", "10", "J", "Q", "K"]
 RANK_VALUE = {r: min(i + 1, 10) for i, r in enumerate(RANKS)}
+SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2}   # seed of each split's fixed task order
 
 
 # ----------------------------------------------------------------------------- parser
@@ -134,9 +135,10 @@ class EZPointsEnv(gym.Env):
     reward_scale = 10.0
     invalid_penalty = 0.1
 
-    def __init__(self, split="train", max_steps=5, history_length=2):
-        order = np.random.default_rng({"train": 0, "valid": 1, "test": 2}.get(split, 3))
-        self.order = order.permutation(len(TASKS))
+    def __init__(self, max_steps=5, history_length=2, split="train"):
+        if split not in SPLIT_ORDER:
+            raise ValueError(f"unknown ezpoints split {split!r}; choose one of {', '.join(SPLIT_ORDER)}")
+        self.order = np.random.default_rng(SPLIT_ORDER[split]).permutation(len(TASKS))
         self.split, self.max_steps, self.history_length = split, max_steps, history_length
         self.num_tasks = len(TASKS)
         self.family = "ezpoints"

@@ -424,3 +424,15 @@ def test_webshop_adapter_contract_with_stand_in():
     env.step(f"<action>click[{wrong}]</action>")
     obs, reward, terminated, _, info = env.step("<action>click[Buy Now]</action>")
     assert terminated and reward == 0.0 and not info["won"] and 0 < info["score"] < 1
+
+
+def test_bad_configuration_fails_at_construction():
+    for name in ("sokoban", "ezpoints"):
+        with pytest.raises(ValueError, match="split"):
+            envs.make(name, split="bogus")
+    with pytest.raises(ValueError, match="split"):
+        envs.make("webshop", split="bogus", text_env=StandInShop())
+    with pytest.raises(FileNotFoundError, match="bogus"):
+        envs.make("search", split="bogus")
+    with pytest.raises(FileNotFoundError, match="no_such_file"):
+        envs.make("search", data="/no_such_file.jsonl")
