@@ -1,0 +1,189 @@
+"""The RL half of the SEED objective: GRPO with per-step rows (Section 3.3, Eq. 1-4) and the joint loss
+(Section 3.4, Eq. 7), as restated in DESIGN section 2.
+
+Every per-token tensor is RESPONSE-ALIGNED: `[rows, R]`, R = the longest response in the batch, column k of
+row i is response token k of row i, and `mask[i, k] = 1` for k < len(response i). A row is one step of an
+episode (the prompt the actor saw and the response it sampled).
+
+    r_i   = R_episode(i) - penalty * (1 - valid_i)                           (Eq. 1, invalid-action penalty)
+    A_i   = (r_i - mean_G(r)) / (std_G(r) + eps)   over the rows of group G  (Eq. 2; unbiased std; ties -> 0)
+    ratio = exp(clamp(lp - lp_old, -20, 20))
+    pg    = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)),  A < 0: min(pg, -A c)      (Eq. 3, dual clip)
+    kl    = clamp(exp(lp_ref - lp) - (lp_ref - lp) - 1, -10, 10)       (Eq. 4, k3 estimator)
+    L     = <pg> + beta_kl <kl> - c_ent <H> + lambda_opd <opd>         (Eq. 7, <.> = global token mean)
+
+`response_logprobs` is the one place a batch's token log-probs are computed (old, reference, skill-context
+and the training forward all go through it).
+"""
+import torch
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------- log-probs of a batch
+
+def response_logprobs(model, prompts, responses, pad_id, grad=False, entropy=False):
+    """Log-probs of each response token given its prompt, for a batch of rows in one forward.
+
+    prompts, responses: lists of token-id lists (one per row). The batch is laid out as
+    [left-padded prompt | right-padded response] of width P + R, position ids follow the attention
+    mask (so padding never shifts positions), and only the last R + 1 positions' logits are
+    materialized (`logits_to_keep`): vocab-sized logits for prompt tokens are never built.
+    -> (logp [rows, R], mask [rows, R], ent [rows, R] or None); zeros where mask == 0.
+    """
+    if len(prompts) != len(responses) or not prompts:
+        raise ValueError(f"need one prompt per response, got {len(prompts)} and {len(responses)}")
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("every row needs a non-empty prompt")
+    rows, dev = len(prompts), model.device
+    P, R = max(len(p) for p in prompts), max(len(r) for r in responses)
+    if R == 0:
+        z = torch.zeros(rows, 0, device=dev)
+        return z, z.clone(), (z.clone() if entropy else None)
+    ids = torch.full((rows, P + R), pad_id, dtype=torch.long)       # [rows, P+R]
+    attn = torch.zeros(rows, P + R, dtype=torch.long)               # [rows, P+R]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        ids[i, P:P + len(r)] = torch.tensor(list(r), dtype=torch.long)
+        attn[i, P - len(p):P + len(r)] = 1
+    ids, attn = ids.to(dev), attn.to(dev)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # [rows, P+R] positions from the mask
+    lens = torch.tensor([len(r) for r in responses], device=dev)
+    mask = (torch.arange(R, device=dev)[None, :] < lens[:, None]).float()   # [rows, R]
+    with torch.set_grad_enabled(grad):
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1, use_cache=False)
+        logits = out.logits[:, :-1].float()                         # [rows, R, V]: position P-1+k predicts token k
+        lse = torch.logsumexp(logits, dim=-1)                       # [rows, R]
+        tok = logits.gather(-1, ids[:, P:, None]).squeeze(-1)       # [rows, R]
+        logp = (tok - lse) * mask                                   # [rows, R]
+        ent = entropy_from_logits(logits) * mask if entropy else None   # [rows, R]
+    return logp, mask, ent
+
+
+def entropy_from_logits(logits):
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v.   [..., V] -> [...]
+    z is shifted by its (detached) max first: H does not change, float32 cancellation does."""
+    z = logits - logits.max(dim=-1, keepdim=True).values.detach()              # [..., V]
+    return torch.logsumexp(z, dim=-1) - (F.softmax(z, dim=-1) * z).sum(-1)
+
+
+# ----------------------------------------------------------------------------- rewards and advantages
+
+def row_rewards(episode_rewards, valid, penalty):
+    """Eq. 1: each step row gets its episode's reward minus `penalty` if its action was invalid.
+    episode_rewards [rows] (the reward of the row's episode), valid [rows] bool -> [rows] float."""
+    r = torch.as_tensor(episode_rewards, dtype=torch.float64)                  # [rows]
+    v = torch.as_tensor(valid, dtype=torch.bool)                                # [rows]
+    return (r - penalty * (~v).double()).float()                                # [rows]
+
+
+def group_advantages(rewards, group_ids, eps=1e-6, norm="std", episode_ids=None):
+    """Eq. 2: normalize rewards inside each group (same task). -> adv [rows] (float32).
+
+    Step level (default, the official code): every row of the group counts, A = (r - mean) / (std + eps),
+    std unbiased. Trajectory level (the paper's formula): pass `episode_ids` [rows]; each episode counts
+    once with the mean of its rows' rewards (pass the episode reward R on every row to get R itself), and
+    its advantage is broadcast to all its steps. norm="mean_norm" drops the std (A = r - mean).
+    A group whose values all tie (or that has one member) gets A = 0 exactly.
+    """
+    if norm not in ("std", "mean_norm"):
+        raise ValueError(f"norm must be 'std' or 'mean_norm', got {norm!r}")
+    r = torch.as_tensor(rewards, dtype=torch.float64)                           # [rows]
+    g = torch.as_tensor(group_ids)                                              # [rows]
+    if episode_ids is not None:                                                 # trajectory level
+        e = torch.as_tensor(episode_ids)
+        _, ep = torch.unique(e, return_inverse=True)                            # [rows] -> episode index
+        n_ep = int(ep.max()) + 1
+        cnt = torch.zeros(n_ep, dtype=torch.float64).index_add_(0, ep, torch.ones_like(r))
+        ep_r = torch.zeros(n_ep, dtype=torch.float64).index_add_(0, ep, r) / cnt     # [episodes]
+        ep_g = torch.zeros(n_ep, dtype=g.dtype).index_copy_(0, ep, g)                # [episodes]
+        return group_advantages(ep_r, ep_g, eps, norm)[ep]                      # [rows]
+    _, gi = torch.unique(g, return_inverse=True)                                # [rows] -> group index
+    n = int(gi.max()) + 1
+    cnt = torch.zeros(n, dtype=torch.float64).index_add_(0, gi, torch.ones_like(r))   # [groups]
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, gi, r) / cnt              # [groups]
+    dev = r - mean[gi]                                                          # [rows]
+    var = torch.zeros(n, dtype=torch.float64).index_add_(0, gi, dev ** 2) / (cnt - 1).clamp(min=1)
+    hi = torch.full((n,), -float("inf"), dtype=torch.float64).scatter_reduce(0, gi, r, "amax")
+    lo = torch.full((n,), float("inf"), dtype=torch.float64).scatter_reduce(0, gi, r, "amin")
+    tied = (hi == lo)[gi]                                                       # [rows]
+    adv = dev / (var.sqrt()[gi] + eps) if norm == "std" else dev                # [rows]
+    return torch.where(tied, torch.zeros_like(adv), adv).float()
+
+
+# ----------------------------------------------------------------------------- per-token loss terms
+
+def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0):
+    """Eq. 3: clipped surrogate with separate low/high clip and dual clip for A < 0.
+    logp, old_logp, mask [rows, R]; adv [rows] -> per-token loss [rows, R] (0 on padding)."""
+    A = adv[:, None].to(logp.dtype)                                             # [rows, 1]
+    ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))                # [rows, R]
+    pg1 = -A * ratio                                                            # [rows, R]
+    pg2 = -A * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)              # [rows, R]
+    pg = torch.maximum(pg1, pg2)                                                # [rows, R]
+    pg = torch.where(A < 0, torch.minimum(pg, -A * dual_clip), pg)              # [rows, R] dual clip
+    return pg * mask
+
+
+def kl_k3(logp, ref_logp):
+    """Eq. 4: k3 estimator of KL(pi || pi_ref) per token, clamped to [-10, 10]. [rows, R] -> [rows, R].
+    The log-ratio is clamped to +-20 first so exp() stays finite."""
+    d = torch.clamp(ref_logp - logp, -20.0, 20.0)                               # [rows, R]
+    return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)                     # [rows, R]
+
+
+def masked_mean(x, mask, num_tokens=None):
+    """Token mean: sum(x * mask) / num_tokens (default: mask.sum()).
+
+    Under DDP pass the GLOBAL count so that every rank's loss is its share of one global token mean;
+    summing the ranks' gradients then equals the single-process gradient, however rows are split over
+    ranks and micro-batches. DDP *averages* gradients over the world, so there pass
+    num_tokens = global_tokens / world_size (equivalently: multiply the loss by world_size)."""
+    denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=x.dtype, device=x.device)
+    return (x * mask).sum() / torch.clamp(denom, min=1.0)
+
+
+def joint_loss(pg, kl, ent, opd, mask, opd_mask=None, num_tokens=None,
+               kl_coef=0.01, ent_coef=0.001, lambda_opd=0.01):
+    """Eq. 7: L = <pg> + kl_coef <kl> - ent_coef <H> + lambda_opd <opd>, every <.> a token mean over the
+    same (global) response-token count; OPD counts only tokens of rows with a skill (opd_mask), but is
+    still divided by all tokens. Per-token inputs [rows, R] (kl/ent/opd may be None). -> (loss, parts)."""
+    num_tokens = mask.sum() if num_tokens is None else num_tokens                # one denominator for all
+    parts = {"pg": masked_mean(pg, mask, num_tokens)}
+    if kl is not None:
+        parts["kl"] = masked_mean(kl, mask, num_tokens)
+    if ent is not None:
+        parts["entropy"] = masked_mean(ent, mask, num_tokens)
+    if opd is not None:
+        parts["opd"] = masked_mean(opd, mask if opd_mask is None else mask * opd_mask, num_tokens)
+    loss = (parts["pg"] + kl_coef * parts.get("kl", 0.0) - ent_coef * parts.get("entropy", 0.0)
+            + lambda_opd * parts.get("opd", 0.0))
+    return loss, {k: float(v.detach()) for k, v in parts.items()}
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+@torch.no_grad()
+def diagnostics(logp, old_logp, adv, mask, rewards=None, group_ids=None,
+                clip_low=0.2, clip_high=0.2, dual_clip=3.0):
+    """Health of one update, over the masked tokens: fraction of tokens whose ratio was clipped at the
+    low side (A < 0, ratio < 1 - clip_low) / high side (A > 0, ratio > 1 + clip_high) / by the dual clip
+    (A < 0, ratio > dual_clip), approximate KL(old || new) (k3), ratio min and max, and the fraction of
+    groups whose rewards all tie (zero std: no GRPO signal)."""
+    m = mask > 0                                                                # [rows, R]
+    A = adv[:, None].expand_as(logp)                                            # [rows, R]
+    lr = torch.clamp(logp - old_logp, -20.0, 20.0)                              # [rows, R]
+    ratio = torch.exp(lr)                                                       # [rows, R]
+    n = max(int(m.sum()), 1)
+    out = {
+        "clip_frac_low": float(((A < 0) & (ratio < 1 - clip_low) & m).sum()) / n,
+        "clip_frac_high": float(((A > 0) & (ratio > 1 + clip_high) & m).sum()) / n,
+        "clip_frac_dual": float(((A < 0) & (ratio > dual_clip) & m).sum()) / n,
+        "approx_kl": float(masked_mean(ratio - 1 - lr, mask)),
+        "ratio_min": float(ratio[m].min()) if m.any() else 1.0,
+        "ratio_max": float(ratio[m].max()) if m.any() else 1.0,
+    }
+    if rewards is not None and group_ids is not None:
+        r, g = torch.as_tensor(rewards, dtype=torch.float64), torch.as_tensor(group_ids)
+        groups = torch.unique(g)
+        out["zero_std_groups"] = sum(bool((r[g == k] == r[g == k][0]).all()) for k in groups) / len(groups)
+    return out
