@@ -1,0 +1,79 @@
+"""The distillation half of the SEED objective: dual-context re-scoring, the sigmoid gate and the gated
+on-policy distillation loss (Section 3.4, Eq. 5-6), as restated in DESIGN section 2.
+
+For every step of an episode whose analysis produced a skill, the SAME sampled response tokens are scored
+twice by the snapshot pi_old: under the plain context h (the log-probs the trainer already has) and under
+the skill-augmented context h~ = insert_skill(h, skill). No new tokens are sampled.
+
+    delta = sg(lp_skill - lp)                    (Eq. 5)
+    g     = sigmoid(beta * delta),  beta = 5     (Eq. 5, detached)
+    opd   = g * (sg(lp_skill) - lp)              (Eq. 6, per token; d opd / d lp = -g)
+
+In expectation over a ~ pi the logit of token v moves by pi(v) (g(v) - Z), Z = E_pi[g]: tokens the hindsight
+supports more than average are promoted, the rest suppressed, even when every reward in the group ties.
+
+Baselines: `opsd_loss` (ungated on-policy self-distillation: every token weighted by its own teacher/student
+log-ratio, i.e. the sampled gradient of KL(pi || pi_skill)); static skills only change where the skill
+string comes from (`analyzer.SkillLibrary`), not this file.
+"""
+import torch
+
+import analyzer
+import grpo
+import rollout
+
+
+def gates(lp_skill, lp, beta=5.0):
+    """Eq. 5: g = sigmoid(beta * (lp_skill - lp)), no gradient.  [rows, R] -> [rows, R]"""
+    return torch.sigmoid(beta * (lp_skill - lp)).detach()
+
+
+def opd_loss(lp, lp_skill, beta=5.0):
+    """Eq. 6: per-token g * (sg(lp_skill) - lp). Its gradient on lp is -g (a gate-weighted NLL of the
+    policy's own sampled tokens); nothing flows into lp_skill or the gate.  [rows, R] -> [rows, R]"""
+    g = gates(lp_skill, lp, beta)                                               # [rows, R]
+    return g * (lp_skill.detach() - lp)                                         # [rows, R]
+
+
+def opsd_loss(lp, lp_skill):
+    """Ungated OPSD baseline: teacher = the same model with the skill in context, every token distilled.
+    Per token: value k = sg(lp - lp_skill) (the sampled reverse-KL estimate), gradient on lp = k, so in
+    expectation over a ~ pi it is the gradient of KL(pi || pi_skill). exp(lp - sg(lp)) is 1 in value and
+    carries d lp.  [rows, R] -> [rows, R]
+    (A literal "g = 1" in Eq. 6 would give gradient -1 on every token: E_pi[-grad log pi] = 0, no teacher
+    signal at all; the test suite checks both facts.)"""
+    k = (lp - lp_skill).detach()                                                # [rows, R]
+    return k * torch.exp(lp - lp.detach())                                      # [rows, R]
+
+
+def skill_prompt_ids(tokenizer, step, skill, env_name):
+    """The skill-augmented context h~ of one step, as chat token ids (through `rollout.chat_ids`)."""
+    return rollout.chat_ids(tokenizer, analyzer.insert_skill(step.prompt_text, skill, env_name))
+
+
+@torch.no_grad()
+def rescore(model, tokenizer, rows, skills, env_names, micro_batch=8):
+    """Log-probs of each row's sampled response under the skill-augmented context, no gradient.
+
+    rows: list of rollout.Step; skills: one str or None per row; env_names: one env name per row (or one
+    str for all). The response token ids are appended as they were sampled (never re-tokenized). Rows
+    whose skill is None (or empty) are scored under their plain prompt `step.prompt_ids`, so their gate is
+    0.5; the caller masks them out with its has-skill mask. Rows are sorted by length and scored in
+    micro-batches through `grpo.response_logprobs`.
+    -> lp_skill [rows, R] (R = longest response of `rows`, the same layout as response_logprobs on them).
+    """
+    if len(skills) != len(rows):
+        raise ValueError(f"need one skill (or None) per row: {len(rows)} rows, {len(skills)} skills")
+    names = [env_names] * len(rows) if isinstance(env_names, str) else list(env_names)
+    prompts = [skill_prompt_ids(tokenizer, s, k, n) if k else list(s.prompt_ids)
+               for s, k, n in zip(rows, skills, names)]
+    responses = [list(s.response_ids) for s in rows]
+    R = max((len(r) for r in responses), default=0)
+    out = torch.zeros(len(rows), R, device=model.device)                        # [rows, R]
+    order = sorted(range(len(rows)), key=lambda i: len(prompts[i]) + len(responses[i]))
+    for b in range(0, len(order), micro_batch):
+        idx = order[b:b + micro_batch]
+        lp, _, _ = grpo.response_logprobs(model, [prompts[i] for i in idx], [responses[i] for i in idx],
+                                          tokenizer.pad_token_id)              # [mb, R_mb]
+        out[idx, :lp.shape[1]] = lp
+    return out

@@ -1,0 +1,188 @@
+"""opd.py: the gate and the OPD gradient by hand, the paper's expected-gradient claim by exact enumeration
+over a small vocabulary (and GRPO's zero gradient on a tied group), and dual-context re-scoring with the
+embedded SmolLM2 tokenizer, chat template and weights."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import analyzer  # noqa: E402
+import grpo  # noqa: E402
+import opd  # noqa: E402
+import rollout  # noqa: E402
+from rollout import Step  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- gate and loss
+
+def test_gates_hand_computed():
+    lp = torch.tensor([[-1.0, -2.0, -0.5]])
+    lp_skill = torch.tensor([[-1.0, -1.8, -0.9]])
+    g = opd.gates(lp_skill, lp)                                    # sigmoid(5 * [0, 0.2, -0.4])
+    assert torch.allclose(g, torch.tensor([[0.5, 0.7310586, 0.1192029]]), atol=1e-6)
+    assert torch.allclose(opd.gates(lp_skill, lp, beta=1.0), torch.sigmoid(lp_skill - lp))
+
+
+def test_opd_gradient_is_minus_gate_over_tokens():
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -9.0]], requires_grad=True)
+    lp_skill = torch.tensor([[-0.2, -2.5, -0.5], [-1.0, -3.0, -1.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    g = opd.gates(lp_skill, lp)
+    assert not g.requires_grad                                     # the gate is a constant
+    per_token = opd.opd_loss(lp, lp_skill)
+    assert torch.allclose(per_token, g * (lp_skill - lp))
+    grpo.masked_mean(per_token, mask).backward()
+    assert torch.allclose(lp.grad, -g * mask / 5)                  # d L / d lp = -g / num_tokens
+    assert lp_skill.grad is None or (lp_skill.grad == 0).all()     # nothing reaches the teacher side
+
+
+def _expected_grad(loss_fn, z, lp_skill):
+    """Exact E_{a ~ pi}[d loss(a) / d z] over the whole vocabulary (pi is the sampling law: no gradient)."""
+    z = z.clone().requires_grad_(True)
+    lp = torch.log_softmax(z, -1)                                  # [V]
+    pi = lp.exp().detach()                                         # [V]
+    per_token = loss_fn(lp[None], lp_skill[None])[0]               # [V]: the loss had token v been sampled
+    (pi * per_token).sum().backward()
+    return z.grad, pi
+
+
+def test_expected_opd_gradient_matches_the_paper():
+    torch.manual_seed(0)
+    V = 6
+    z = torch.randn(V, dtype=torch.float64)
+    lp_skill = torch.log_softmax(z + torch.tensor([1.5, -1.0, 0.0, 0.3, -2.0, 0.8], dtype=torch.float64), -1)
+    grad, pi = _expected_grad(opd.opd_loss, z, lp_skill)
+    g = opd.gates(lp_skill, torch.log_softmax(z, -1))              # [V]
+    Z = (pi * g).sum()
+    assert torch.allclose(grad, -pi * (g - Z), atol=1e-12)         # descent moves logit v by +pi(v)(g(v) - Z)
+    promoted = g > Z
+    assert promoted.any() and (~promoted).any()
+    assert (grad[promoted] < 0).all() and (grad[~promoted] > 0).all()
+
+
+def test_tied_group_grpo_gradient_zero_opd_not():
+    """A group of N = V samples, one per vocabulary token, weighted by pi (exact expectation); all rewards
+    tie, so GRPO's advantage and gradient are exactly zero while OPD's is not."""
+    torch.manual_seed(1)
+    V = 5
+    z = torch.randn(V, dtype=torch.float64, requires_grad=True)
+    lp = torch.log_softmax(z, -1)[:, None]                         # [rows = V, 1]: row v sampled token v
+    pi = lp.exp().detach()                                         # [V, 1]
+    lp_skill = (lp.detach() + torch.tensor([[0.7], [-0.4], [0.1], [0.0], [-1.2]], dtype=torch.float64))
+    adv = grpo.group_advantages([10.0] * V, [0] * V)
+    assert torch.equal(adv, torch.zeros(V))
+    pg = grpo.policy_loss(lp, lp.detach(), adv.double(), torch.ones_like(lp))
+    g_pg, = torch.autograd.grad((pi * pg).sum(), z, retain_graph=True)
+    g_opd, = torch.autograd.grad((pi * opd.opd_loss(lp, lp_skill)).sum(), z)
+    assert torch.equal(g_pg, torch.zeros(V, dtype=torch.float64))
+    assert g_opd.abs().max() > 1e-3
+
+
+def test_opsd_variants_by_enumeration():
+    """The ungated OPSD baseline's expected gradient is that of KL(pi || pi_skill); a literal gate g = 1
+    would carry no signal at all (E_pi[grad log pi] = 0)."""
+    torch.manual_seed(2)
+    V = 6
+    z = torch.randn(V, dtype=torch.float64)
+    lp_skill = torch.log_softmax(torch.randn(V, dtype=torch.float64), -1)
+    grad, pi = _expected_grad(opd.opsd_loss, z, lp_skill)
+    zz = z.clone().requires_grad_(True)
+    p = torch.softmax(zz, -1)
+    kl_grad, = torch.autograd.grad((p * (p.log() - lp_skill)).sum(), zz)
+    assert torch.allclose(grad, kl_grad, atol=1e-12)
+    assert torch.allclose(opd.opsd_loss(z[None], lp_skill[None]), (z - lp_skill)[None])   # value: log-ratio
+    ones, _ = _expected_grad(lambda lp, ls: ls.detach() - lp, z, lp_skill)
+    assert ones.abs().max() < 1e-12
+
+
+# ----------------------------------------------------------------------------- re-scoring with SmolLM2
+
+PROMPT = ("Your task is to: put a clean apple in fridge.\n"
+          "You see a countertop 1, a fridge 1 and a sinkbasin 1.\n"
+          "Admissible actions: [go to countertop 1, go to fridge 1, go to sinkbasin 1, look].\n"
+          "Now it's your turn: think in <think> </think>, then act in <action> </action>.")
+SKILL = "Find the apple first, clean it at the sinkbasin, then open the fridge and put it in."
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The embedded model, on one thread (the test machine's 2 cores are shared; oversubscribed
+    multi-threaded matmuls are many times slower than one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tok, _ = rollout.load_model("smollm2-135m")
+    yield model.eval(), tok
+    torch.set_num_threads(threads)
+
+
+def _steps(tok):
+    texts = ["<think>I need the apple.</think><action>go to countertop 1</action>",
+             "<think>ok</think><action>look</action>",
+             "<think>The apple may be on the countertop, so I go there first and check.</think>"
+             "<action>go to countertop 1</action>"]
+    steps = []
+    for k, text in enumerate(texts):
+        prompt_text = PROMPT.replace("apple", ["apple", "egg", "tomato"][k])
+        pieces = [text] if k != 1 else ["<think>ok</think><action>lo", "ok</action>"]   # "lo" + "ok":
+        ids = sum((tok(p, add_special_tokens=False)["input_ids"] for p in pieces), []) + [tok.eos_token_id]
+        steps.append(Step(prompt_text=prompt_text, prompt_ids=rollout.chat_ids(tok, prompt_text),
+                          response_ids=ids, response_text=tok.decode(ids), old_logprobs=[0.0] * len(ids),
+                          observation="", action="", valid=True))
+    # row 1 is a non-canonical tokenization: decoding and re-tokenizing it would change its ids
+    assert tok(steps[1].response_text, add_special_tokens=False)["input_ids"] != steps[1].response_ids
+    return steps
+
+
+def _naive(model, prompt, response):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_rescore_same_tokens_skill_after_task_line(smol):
+    model, tok = smol
+    steps = _steps(tok)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append((kw["input_ids"].clone(),
+                                                                           kw["attention_mask"].clone())),
+                                           with_kwargs=True)
+    try:
+        lp_skill = opd.rescore(model, tok, steps, [SKILL, None, SKILL], "alfworld", micro_batch=2)
+    finally:
+        hook.remove()
+    R = max(len(s.response_ids) for s in steps)
+    assert lp_skill.shape == (3, R) and not lp_skill.requires_grad
+    # what the model saw: each row = the skill prompt's chat ids + the SAME response ids
+    fed = [ids[am.bool()].tolist() for ids_b, am_b in seen for ids, am in zip(ids_b, am_b)]
+    for s, skill in zip(steps, [SKILL, None, SKILL]):
+        prompt = opd.skill_prompt_ids(tok, s, skill, "alfworld") if skill else s.prompt_ids
+        assert prompt + s.response_ids in fed
+    # the skill appears once, on the line right after the task line, in the chat-templated text
+    text = tok.decode(opd.skill_prompt_ids(tok, steps[0], SKILL, "alfworld"))
+    assert text.count(SKILL) == 1
+    lines = text.split("\n")
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("Your task is to:"))
+    assert lines[at + 1] == analyzer.SKILL_PREFIX + SKILL
+    # the values: equal to a naive unpadded per-row computation
+    for i, (s, skill) in enumerate(zip(steps, [SKILL, None, SKILL])):
+        prompt = opd.skill_prompt_ids(tok, s, skill, "alfworld") if skill else s.prompt_ids
+        n = len(s.response_ids)
+        assert (lp_skill[i, :n].double() - _naive(model, prompt, s.response_ids)).abs().max() < 1e-4
+        assert (lp_skill[i, n:] == 0).all()
+
+
+def test_rescore_empty_skill_equals_plain_and_skill_changes_it(smol):
+    model, tok = smol
+    steps = _steps(tok)
+    plain, mask, _ = grpo.response_logprobs(model, [s.prompt_ids for s in steps],
+                                            [s.response_ids for s in steps], tok.pad_token_id)
+    lp = opd.rescore(model, tok, steps, ["", None, "   "], ["alfworld"] * 3, micro_batch=8)
+    assert (lp - plain).abs().max() < 1e-5
+    lp = opd.rescore(model, tok, steps, [SKILL] * 3, "alfworld", micro_batch=1)
+    assert (lp - plain).abs().max() > 1e-2                         # the skill does change the scores
+    g = opd.gates(lp, plain)
+    assert ((g * mask) != 0.5 * mask).any()
+    with pytest.raises(ValueError):
+        opd.rescore(model, tok, steps, [SKILL], "alfworld")
