@@ -1,0 +1,364 @@
+"""ALFWorld (Shridhar et al., 2021) as a text environment (Section 5.1; DESIGN section 6).
+
+The game engine is the real `alfworld` package on TextWorld, with the machinery its `AlfredTWEnv`
+uses: TextWorld's PDDL environment over a `game.tw-pddl` file (the package's `alfred.pddl` domain,
+its `alfred.twl2` grammar with the task sentence filled in, and a PDDL problem), wrapped by the
+package's `AlfredDemangler` (readable names such as "cabinet 3"), `AlfredInfos` and `AlfredExpert`
+(the hand-coded expert, which follows every executed command and proposes the next one).
+
+Games live in the official layout, `<data>/json_2.1.1/{train,valid_seen,valid_unseen}/<task>/<trial>/`
+with `game.tw-pddl` and `traj_data.json`: the ones `alfworld-download` fetches, or the ones
+`python -m envs.alfworld_gen` writes offline. The data folder is the `data_dir` argument, else
+`$ALFWORLD_DATA`, else `data/alfworld` in the repository. Task `i` of a split is game `i % num_tasks`
+of its sorted game list; the family comes from the task folder name (pick, look, clean, heat, cool,
+pick2), and success per family plus their macro average are the paper's ALFWorld metrics.
+
+The agent answers `<think>...</think><action>...</action>`; the action must be one of the admissible
+commands (compared after collapsing whitespace and lower-casing). Anything else is an invalid step:
+the game does not move, the observation says what was wrong. A win gives `reward_scale` and ends the
+episode; `max_steps` steps truncate it.
+"""
+import contextlib
+import copy
+import functools
+import glob
+import json
+import os
+import random
+import re
+import string
+import sys
+
+import gymnasium as gym
+
+import envs
+
+FAMILIES = {  # ALFRED task type (task folder prefix) -> family label used in the metrics
+    "pick_and_place_simple": "pick",
+    "look_at_obj_in_light": "look",
+    "pick_clean_then_place_in_recep": "clean",
+    "pick_heat_then_place_in_recep": "heat",
+    "pick_cool_then_place_in_recep": "cool",
+    "pick_two_obj_and_place": "pick2",
+}
+SPLITS = ("train", "valid_seen", "valid_unseen")
+REPO_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "alfworld")
+HOW_TO_GET_GAMES = (
+    "generate games offline with\n"
+    "    python -m envs.alfworld_gen --out data/alfworld --train 60 --valid_seen 12 --valid_unseen 12 --seed 0\n"
+    "or download the official ones with `alfworld-download` (then point ALFWORLD_DATA or --data_dir at them)")
+CJK = re.compile(r"[\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uff00-\uffef]")
+ACTION_TAG = re.compile(r"<action>(.*?)</action>", re.S | re.I)
+
+
+# ----------------------------------------------------------------------------- game files
+
+def find_data_dir(data_dir=None):
+    """The folder that holds `json_2.1.1/` (argument, else $ALFWORLD_DATA, else data/alfworld)."""
+    if data_dir is not None:
+        tried = [data_dir]
+    else:
+        tried = [d for d in (os.environ.get("ALFWORLD_DATA"), REPO_DATA) if d]
+    for d in tried:
+        if os.path.isdir(os.path.join(d, "json_2.1.1")):
+            return os.path.abspath(d)
+    raise FileNotFoundError(f"no ALFWorld games: none of {tried} holds a json_2.1.1/ folder; {HOW_TO_GET_GAMES}")
+
+
+def family_of(game_path):
+    """'.../pick_heat_then_place_in_recep-Potato-None-SinkBasin-14/trial_x/game.tw-pddl' -> 'heat'."""
+    task_folder = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(game_path))))
+    return FAMILIES.get(task_folder.split("-")[0], "unknown")
+
+
+@functools.lru_cache(maxsize=16)
+def list_games(data_dir, split):
+    """Sorted playable game files of a split (as AlfredTWEnv: six task types, no movable/sliced
+    variants, a traj_data.json beside each game, games marked unsolvable left out)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown ALFWorld split {split!r}; choose one of {', '.join(SPLITS)}")
+    games = []
+    for path in sorted(glob.glob(os.path.join(data_dir, "json_2.1.1", split, "*", "*", "game.tw-pddl"))):
+        if family_of(path) == "unknown" or "movable" in path or "Sliced" in path:
+            continue
+        if not os.path.exists(os.path.join(os.path.dirname(path), "traj_data.json")):
+            continue
+        if read_game(path).get("solvable", True) is False:
+            continue
+        games.append(path)
+    if not games:
+        raise FileNotFoundError(f"no playable games in {os.path.join(data_dir, 'json_2.1.1', split)}; {HOW_TO_GET_GAMES}")
+    return tuple(games)
+
+
+@functools.lru_cache(maxsize=256)
+def read_game(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- the TextWorld engine
+
+@functools.lru_cache(maxsize=64)
+def _translate(domain, problem, verbose=False):
+    """TextWorld's PDDL -> SAS translation (fast_downward.pddl2sas), memoized: it is a pure function
+    of the text, and a load + reset would otherwise translate the same game four times. The
+    translator overwrites sys.argv; it is restored."""
+    argv = list(sys.argv)
+    try:
+        return _FD_PDDL2SAS(domain, problem, verbose=verbose)
+    finally:
+        sys.argv[:] = argv
+
+
+def _fast_pddl2sas(domain, problem, verbose=False, optimize=False):
+    """Stands in for fast_downward.pddl2sas. The second, "optimized" translation TextWorld makes only
+    feeds the planner expert (`policy_commands`), which this engine never asks for: the plain one
+    serves both (half the cost of a reset)."""
+    return _translate(domain, problem, verbose)
+
+
+@functools.lru_cache(maxsize=64)
+def _game_logic(path):
+    """Parsed grammar and action templates of a game (read-only once built; shared by instances)."""
+    data = read_game(path)
+    return _pddl_logic.GameLogic(domain=data["pddl_domain"], grammar=data["grammar"])
+
+
+def _speed_up_textgen():
+    """TextWorld's text generator re-parses the same few grammar snippets with TatSu for every
+    admissible command at every step and deep-copies its derivation context (entity records that
+    nothing modifies) at every node: about 90% of a step. Memoize the parses (each caller still gets
+    its own copy) and copy the context's two dicts shallowly. Observations and admissible commands
+    are unchanged (tests/test_alfworld.py compares transcripts with SEED_ALFWORLD_PLAIN=1, which
+    turns this off)."""
+    from textworld.envs.pddl import textgen
+    from textworld.logic import Rule
+    parse = functools.lru_cache(maxsize=4096)(textgen._parse_and_convert)
+    textgen._parse_and_convert = lambda *args, **kwargs: copy.deepcopy(parse(*args, **kwargs))
+    query = functools.lru_cache(maxsize=4096)(Rule.parse_conjunctive_query)
+    Rule.parse_conjunctive_query = classmethod(lambda cls, expr: query(expr))
+    textgen.copy_context = lambda c: {**c, "variables": dict(c["variables"]), "mapping": dict(c["mapping"])}
+
+
+def _import_engine():
+    """Import TextWorld/alfworld lazily (a few seconds) and install the caches above, once."""
+    global _FD_PDDL2SAS, _pddl_logic, PddlEnv
+    if "_FD_PDDL2SAS" in globals():
+        return
+    import fast_downward
+    from textworld.envs import PddlEnv
+    from textworld.envs.pddl import logic as _pddl_logic
+    _FD_PDDL2SAS = fast_downward.pddl2sas
+    fast_downward.pddl2sas = _fast_pddl2sas
+    if not os.environ.get("SEED_ALFWORLD_PLAIN"):
+        _speed_up_textgen()
+
+
+def make_engine():
+    """The package's wrapper chain: PddlEnv -> AlfredDemangler -> AlfredInfos -> AlfredExpert."""
+    _import_engine()
+    import textworld
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredExpert, AlfredInfos
+
+    class CachedPddlEnv(PddlEnv):
+        """TextWorld's PddlEnv whose `load` takes the game text and parsed grammar from the caches."""
+
+        def load(self, path):
+            self._game_file, self._game_data = path, read_game(path)
+            self.walkthrough = self._game_data.get("walkthrough")
+            self._logic = _game_logic(path)
+            self._pddl_state = _pddl_logic.PddlState(self.downward_lib, self._game_data["pddl_problem"], self._logic)
+            self._entity_infos = self._get_entity_infos()
+
+    class Expert(AlfredExpert):
+        """The package's AlfredExpert. Its hand-coded expert notices a placement by the verb "put"
+        ("put X in/on Y"), which alfworld 0.4.0 renamed to "move X to Y"; without being told the old
+        wording it believes it still holds the object and stalls after the first of two placements
+        (pick2). So the expert (only the expert; the game sees the real command) is told the old wording."""
+
+        def step(self, command):
+            self.state, reward, done = textworld.core.Wrapper.step(self, command)
+            self.prev_command = re.sub(r"^move (.+) to (.+)$", r"put \1 in/on \2", str(command))
+            self._gather_infos()
+            return self.state, reward, done
+
+    infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=True, extras=["gamefile", "expert_plan"])
+    env = AlfredInfos(AlfredDemangler(CachedPddlEnv(infos), shuffle=False))
+    return Expert(env, expert_type="handcoded")
+
+
+@contextlib.contextmanager
+def _expert_rng(step):
+    """The hand-coded expert draws from the global `random`; fix it per step (so plans are
+    reproducible) and give the caller's random state back afterwards."""
+    saved = random.getstate()
+    random.seed(1000 + step)
+    try:
+        yield
+    finally:
+        random.setstate(saved)
+
+
+def engine_reset(engine, path):
+    with _expert_rng(0):
+        engine.load(path)
+        return engine.reset()
+
+
+def engine_step(engine, command, step):
+    """Apply one admissible command. The expert runs after the game moved; when it gives up
+    (its own exceptions) the game state stands and the expert is reported as unavailable."""
+    with _expert_rng(step):
+        try:
+            state, _, _ = engine.step(command)
+            return state, True
+        except Exception:
+            state = engine.state
+            state["extra.expert_plan"] = []
+            return state, False
+
+
+def play_expert(path, max_steps=50, engine=None):
+    """Play the hand-coded expert from the start of a game; its plan if it wins within max_steps."""
+    engine = engine or make_engine()
+    state, plan = engine_reset(engine, path), []
+    while not state["won"] and len(plan) < max_steps:
+        proposal = state["extra.expert_plan"]
+        if not proposal or proposal[0] not in state["admissible_commands"]:
+            return None
+        plan.append(proposal[0])
+        state, ok = engine_step(engine, proposal[0], len(plan))
+        if not ok and not state["won"]:
+            return None
+    return plan if state["won"] else None
+
+
+@functools.lru_cache(maxsize=1024)
+def expert_plan_of(path):
+    """The expert's plan from the start: stored in the game file (`walkthrough`) or played once."""
+    stored = read_game(path).get("walkthrough")
+    return tuple(stored) if stored else tuple(play_expert(path) or ())
+
+
+# ----------------------------------------------------------------------------- response parsing
+
+def parse_action(response, admissible):
+    """Raw model response -> (admissible command, "") or ("", why it is invalid). Never raises."""
+    if not isinstance(response, str):
+        return "", "the response is not text"
+    if len(re.findall(r"<action>", response, re.I)) != 1 or len(ACTION_TAG.findall(response)) != 1:
+        n = len(re.findall(r"<action>", response, re.I))
+        return "", "no <action>...</action> block" if n == 0 else f"{n} <action> tags; give exactly one action"
+    text = ACTION_TAG.search(response).group(1)
+    if CJK.search(response):
+        return "", "the response contains CJK characters"
+    if not text.isascii() or any(c not in string.printable for c in text):
+        return "", "the action contains non-ASCII or control characters"
+    wanted = " ".join(text.split()).lower()
+    for command in admissible:
+        if " ".join(command.split()).lower() == wanted:
+            return command, ""
+    shown = wanted if len(wanted) <= 80 else wanted[:77] + "..."
+    return "", f'"{shown}" is not one of the admissible actions'
+
+
+# ----------------------------------------------------------------------------- the environment
+
+class AlfWorldEnv(gym.Env):
+    """One ALFWorld household game at a time, text in and text out (see the module docstring)."""
+
+    name = "alfworld"
+    reward_scale = 10.0      # episode reward of a win
+    invalid_penalty = 0.1    # subtracted per invalid step by the trainer (grpo.row_rewards)
+
+    def __init__(self, data_dir=None, split="train", history_length=5, max_steps=30, **unused):
+        self.data_dir = find_data_dir(data_dir)
+        self.split = split
+        self.games = list_games(self.data_dir, split)
+        self.num_tasks = len(self.games)
+        self.history_length = history_length
+        self.max_steps = max_steps
+        self.observation_space = gym.spaces.Text(max_length=1_000_000, charset=string.printable)
+        self.action_space = gym.spaces.Text(max_length=1_000_000, charset=string.printable)
+        self._engine, self._loaded = None, None
+        self.task, self.family, self.task_id, self.game = "", "", None, None
+        self._state = None
+
+    # -- gymnasium API
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        task_id = int(seed) if seed is not None else int(self.np_random.integers(self.num_tasks))
+        self.task_id, self.game = task_id, self.games[task_id % self.num_tasks]
+        if self._engine is None:
+            self._engine = make_engine()
+        self._state = engine_reset(self._engine, self.game)
+        self._expert_ok = True
+        self.obs = self._state["feedback"]
+        self.task = self.obs.split("Your task is to: ", 1)[-1].strip() if "Your task is to: " in self.obs else ""
+        self.family = family_of(self.game)
+        self.history, self.steps, self.won, self.done = [], 0, False, False
+        return self.obs, self._info(valid=True, action="", expert_plan=list(expert_plan_of(self.game)))
+
+    def step(self, action):
+        if self._state is None:
+            raise RuntimeError("call reset() before step()")
+        if self.done:
+            return self.obs, 0.0, self.won, not self.won, self._info(valid=False, action="")
+        command, why = parse_action(action, self.admissible)
+        self.history.append((self.obs, command or "(invalid)"))
+        self.steps += 1
+        if command:
+            self._state, ok = engine_step(self._engine, command, self.steps)
+            self._expert_ok = self._expert_ok and ok
+            self.obs = self._state["feedback"]
+            self.won = bool(self._state["won"])
+        else:
+            self.obs = (f"Invalid action: {why}. Nothing happened. Answer with <think>...</think> and then "
+                        "exactly one admissible action inside <action></action>.")
+        terminated = self.won
+        truncated = not terminated and self.steps >= self.max_steps
+        self.done = terminated or truncated
+        reward = self.reward_scale if self.won else 0.0
+        return self.obs, reward, terminated, truncated, self._info(valid=bool(command), action=command)
+
+    # -- contract extras
+
+    @property
+    def admissible(self):
+        return [c for c in self._state["admissible_commands"] if c != "help"] if self._state else []
+
+    def expert_action(self):
+        """The hand-coded expert's next command here (None once it has given up or the game is over)."""
+        if self._state is None or self.done or not self._expert_ok:
+            return None
+        proposal = self._state.get("extra.expert_plan") or []
+        return proposal[0] if proposal and proposal[0] in self.admissible else None
+
+    def prompt(self):
+        """The actor's user message: task, recent history, current observation, admissible actions."""
+        lines = ["You are a household robot acting in a text-based simulation of a home (ALFWorld).",
+                 f"{envs.task_line(self.name)} {self.task}"]
+        recent = self.history[-self.history_length:] if self.history_length > 0 else []
+        if recent:
+            first = len(self.history) - len(recent) + 1
+            lines.append(f"You have taken {len(self.history)} step(s) so far. The most recent ones:")
+            for k, (obs, act) in enumerate(recent, start=first):
+                lines += [f"Step {k} observation: {_without_task(obs)}", f"Step {k} action: {act}"]
+        lines.append(f"Current observation (step {len(self.history) + 1}): {_without_task(self.obs)}")
+        lines.append("Admissible actions: " + ", ".join(f'"{a}"' for a in self.admissible))
+        lines.append("First reason about the situation and what to do next inside <think> </think>. Then give "
+                     "exactly one admissible action, copied exactly from the list, inside <action> </action>.")
+        return "\n".join(lines)
+
+    def _info(self, valid, action, **extra):
+        return {"task": self.task, "family": self.family, "task_id": self.task_id, "game": self.game,
+                "admissible": self.admissible, "won": self.won, "valid": valid, "action": action,
+                "steps": self.steps, **extra}
+
+
+def _without_task(obs):
+    """The intro text minus its banner and task sentence (the prompt states the task once, on its own line)."""
+    obs = obs.replace("-= Welcome to TextWorld, ALFRED! =-", "")
+    return " ".join(obs.split("Your task is to: ", 1)[0].split())

@@ -1,0 +1,394 @@
+"""Offline ALFWorld game generator (the ALFWorld setting of Section 5.1 without the download).
+
+Writes new games in the official layout, `<out>/json_2.1.1/<split>/<task>-<Obj>-None-<Recep>-<scene>/<trial>/`
+with `initial_state.pddl`, `traj_data.json` and `game.tw-pddl`, for the six task families. A game is
+built the way the package's `alfworld-generate` builds one: the package's `alfred.pddl` domain, its
+`alfred.twl2` grammar with the task sentence filled in from `traj_data.json` (`add_task_to_grammar`,
+ALFRED's goal templates), and a PDDL problem; `solvable` and the expert's `walkthrough` are stored in
+the game file as that script does.
+
+Rooms come from the 120 ALFRED floor plans that ship with the package (`alfworld/gen/layouts`: the
+receptacles of each plan with their navigation points, and the object classes of each plan). Each game
+samples a plan, a target (object, receptacle or lamp) allowed for the family (ALFRED's GOALS_VALID
+room types, VAL_RECEPTACLE_OBJECTS, VAL_ACTION_OBJECTS), and scatters the target and 6-12 distractor
+classes over receptacles that may hold them. `train` and `valid_seen` use ALFRED's training floor
+plans; `valid_unseen` uses its held-out plans, and its (family, object, receptacle) combinations never
+occur in `train`. Every game is played by the package's hand-coded expert through the same engine as
+`envs.alfworld.AlfWorldEnv`; a game the expert cannot win within `--max_expert_steps` is redrawn.
+
+    python -m envs.alfworld_gen --out data/alfworld --train 60 --valid_seen 12 --valid_unseen 12 --seed 0
+"""
+import argparse
+import collections
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import time
+
+from tqdm import tqdm
+
+from envs import alfworld as aw
+
+ORDER = ["pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+         "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place"]
+APPLIANCE = {"pick_clean_then_place_in_recep": "SinkBasin", "pick_heat_then_place_in_recep": "Microwave",
+             "pick_cool_then_place_in_recep": "Fridge"}   # where the family's state change happens
+ABILITY = {"pick_clean_then_place_in_recep": "Cleanable", "pick_heat_then_place_in_recep": "Heatable",
+           "pick_cool_then_place_in_recep": "Coolable"}
+LAMPS = ("DeskLamp", "FloorLamp")
+LAMP_STANDS = ("Desk", "SideTable", "Dresser", "Shelf", "TVStand", "CoffeeTable", "DiningTable")
+MAX_RECEPTACLES = 20     # the real kitchen game of ../shared/data has 20
+
+
+# ----------------------------------------------------------------------------- package data
+
+def package():
+    """ALFRED constants, goal library, the domain/grammar files and the floor-plan folder."""
+    import alfworld
+    import alfworld.gen.constants as C
+    import alfworld.gen.goal_library as G
+    root = os.path.dirname(alfworld.__file__)
+    return C, G, os.path.join(root, "data"), os.path.join(root, "gen", "layouts")
+
+
+def room_type(scene):
+    C = package()[0]
+    return next(name for name, numbers in C.SCENE_TYPE.items() if scene in numbers)
+
+
+def load_room(scene):
+    """One ALFRED floor plan: receptacles (class, id, navigation point) and the object classes in it."""
+    C, _, _, layouts = package()
+    with open(os.path.join(layouts, f"FloorPlan{scene}-objects.json")) as f:
+        classes = set(json.load(f))
+    with open(os.path.join(layouts, f"FloorPlan{scene}-openable.json")) as f:
+        points = json.load(f)
+    static = set(C.VAL_RECEPTACLE_OBJECTS) - set(C.MOVABLE_RECEPTACLES)
+    receptacles = []
+    for rid, (x, z, rot, hor) in sorted(points.items()):
+        last = rid.split("|")[-1]
+        cls = last if last.isalpha() else rid.split("|")[0]
+        if cls in static:
+            receptacles.append((cls, rid, (round(x / 0.25), round(z / 0.25), int(rot) // 90 % 4, int(hor))))
+    present = {r[0] for r in receptacles}
+    missing = sorted(c for c in classes & static if c not in present)   # e.g. StoveBurner, Toaster, Toilet
+    return {"scene": scene, "type": room_type(scene), "receptacles": receptacles, "missing": missing,
+            "objects": sorted(classes & pickupable())}
+
+
+def pickupable():
+    C = package()[0]
+    return {o for objs in C.VAL_RECEPTACLE_OBJECTS.values() for o in objs
+            if not o.endswith("Sliced") and o in C.OBJECTS}
+
+
+def mangle(name):
+    """ALFRED's id escaping for PDDL ('Cabinet|+01.66|...' -> 'Cabinet_bar__plus_01_dot_66_bar_...')."""
+    for a, b in (("-", "_minus_"), ("|", "_bar_"), ("+", "_plus_"), (".", "_dot_"), (",", "_comma_")):
+        name = name.replace(a, b)
+    return name
+
+
+# ----------------------------------------------------------------------------- sampling a game
+
+def candidates(room, task_type):
+    """(target object, receptacle-or-lamp) pairs this room allows for the family."""
+    C = package()[0]
+    if room["type"] not in C.GOALS_VALID[task_type]:
+        return []
+    recep_classes = {r[0] for r in room["receptacles"]} | set(room["missing"])
+    if task_type == "look_at_obj_in_light":
+        lamps = [lamp for lamp in LAMPS if lamp in room["lamps"]]
+        stands = recep_classes & set(LAMP_STANDS)
+        return [(o, lamp) for o in room["objects"] for lamp in lamps if stands]
+    objs = room["objects"]
+    if task_type in ABILITY:
+        if APPLIANCE[task_type] not in recep_classes:
+            return []
+        objs = [o for o in objs if o in C.VAL_ACTION_OBJECTS[ABILITY[task_type]]]
+    pairs = [(o, r) for o in objs for r in sorted(recep_classes)
+             if o in C.VAL_RECEPTACLE_OBJECTS[r] and r != APPLIANCE.get(task_type)]
+    # the target must be able to start somewhere other than its goal receptacle
+    return [(o, r) for o, r in pairs if any(o in C.VAL_RECEPTACLE_OBJECTS[q] for q in recep_classes if q != r)]
+
+
+def build_receptacles(room, rng, keep):
+    """Receptacle instances (class, id, location): the plan's own, plus the classes it lists without a
+    navigation point; thinned at random to MAX_RECEPTACLES, never dropping a class in `keep`."""
+    recs = list(room["receptacles"])
+    for cls in room["missing"]:
+        for _ in range(rng.randint(2, 4) if cls == "StoveBurner" else 1):
+            x, y, z = rng.uniform(-3, 3), rng.uniform(0, 2), rng.uniform(-3, 3)
+            rid = f"{cls}|{x:+06.2f}|{y:+06.2f}|{z:+06.2f}"
+            if cls.endswith("Basin"):
+                rid = f"{cls[:-5]}|{x:+06.2f}|{y:+06.2f}|{z:+06.2f}|{cls}"
+            recs.append((cls, rid, (rng.randint(-12, 12), rng.randint(-12, 12), rng.randint(0, 3), 30)))
+    rng.shuffle(recs)
+    chosen, count = [], collections.Counter()
+    for r in sorted(recs, key=lambda r: r[0] not in keep):   # one of each kept class first
+        if (r[0] in keep and count[r[0]] == 0) or len(chosen) < MAX_RECEPTACLES:
+            chosen.append(r)
+            count[r[0]] += 1
+    used, out = set(), []
+    for cls, rid, loc in sorted(chosen, key=lambda r: r[1]):
+        while loc in used:                                     # one receptacle per navigation point
+            loc = (loc[0], loc[1], loc[2], loc[3] + 15)
+        used.add(loc)
+        out.append((cls, rid, "loc|%d|%d|%d|%d" % loc))
+    start = (99, 99, 0, 30)
+    return out, "loc|%d|%d|%d|%d" % start
+
+
+def place(cls, receptacles, rng, avoid=()):
+    C = package()[0]
+    spots = [r for r in receptacles if cls in C.VAL_RECEPTACLE_OBJECTS[r[0]] and r[0] not in avoid]
+    return rng.choice(spots) if spots else None
+
+
+def sample_spec(task_type, rooms, rng, banned=frozenset()):
+    """Draw room, target and object placement for one game; None when this draw does not work out."""
+    C = package()[0]
+    options = [(room, pair) for room in rooms for pair in candidates(room, task_type)
+               if (task_type, *pair) not in banned]
+    if not options:
+        return None
+    room, (target, other) = rng.choice(options)
+    look = task_type == "look_at_obj_in_light"
+    keep = set(LAMP_STANDS) if look else {other}
+    keep |= {APPLIANCE[task_type]} if task_type in APPLIANCE else set()
+    receptacles, start = build_receptacles(room, rng, keep)
+    objects = []                                                # (class, receptacle) pairs
+    n_target = rng.randint(2, 3) if task_type == "pick_two_obj_and_place" else rng.randint(1, 3)
+    for _ in range(n_target):
+        objects.append((target, place(target, receptacles, rng, avoid=() if look else (other,))))
+    others = [o for o in room["objects"] if o != target]
+    for cls in rng.sample(others, min(len(others), rng.randint(6, 12))):
+        for _ in range(rng.randint(1, 2)):
+            objects.append((cls, place(cls, receptacles, rng)))
+    if look:
+        stands = [r for r in receptacles if r[0] in LAMP_STANDS]
+        if not stands:
+            return None
+        objects.append((other, rng.choice(stands)))
+    objects = [(cls, r) for cls, r in objects if r is not None]
+    if sum(cls == target for cls, _ in objects) < (2 if task_type == "pick_two_obj_and_place" else 1):
+        return None
+    taken = set()
+    objects = [(cls, object_id(cls, r, rng, taken), r) for cls, r in objects]
+    return {"task_type": task_type, "scene": room["scene"], "target": target, "other": other,
+            "receptacles": receptacles, "start": start, "objects": objects}
+
+
+def object_id(cls, receptacle, rng, taken):
+    """An ALFRED-style instance id ('Apple|+01.59|+00.97|-01.29') near its receptacle, unique in `taken`."""
+    x, y, z = (float(v) for v in receptacle[1].split("|")[1:4])
+    while True:
+        oid = f"{cls}|{x + rng.uniform(-.4, .4):+06.2f}|{y + rng.uniform(0, .3):+06.2f}|{z + rng.uniform(-.4, .4):+06.2f}"
+        if oid not in taken:
+            taken.add(oid)
+            return oid
+
+
+# ----------------------------------------------------------------------------- writing a game
+
+def problem_text(spec, name):
+    """The PDDL problem in the layout of ALFWorld's initial_state.pddl files."""
+    C, G, _, _ = package()
+    ability = {"Cleanable": "cleanable", "Heatable": "heatable", "Coolable": "coolable", "Sliceable": "sliceable"}
+    look = spec["task_type"] == "look_at_obj_in_light"
+    receptacle_types = sorted(set(C.VAL_RECEPTACLE_OBJECTS) - set(C.MOVABLE_RECEPTACLES))
+    object_types = sorted(set(C.OBJECTS) - set(receptacle_types))
+    objs, facts = [], []
+    for cls, oid, (rcls, rid, loc) in spec["objects"]:
+        o = mangle(oid)
+        objs.append(o)
+        facts += [f"(objectType {o} {cls}Type)", f"(inReceptacle {o} {mangle(rid)})",
+                  f"(objectAtLocation {o} {mangle(loc)})"]
+        if look and cls == spec["other"]:
+            facts.append(f"(toggleable {o})")
+            continue
+        facts.append(f"(pickupable {o})")
+        if cls in C.MOVABLE_RECEPTACLES:
+            facts.append(f"(isReceptacleObject {o})")
+        facts += [f"({pred} {o})" for ab, pred in ability.items() if cls in C.VAL_ACTION_OBJECTS[ab]]
+    for rcls, rid, loc in spec["receptacles"]:
+        facts += [f"(receptacleType {mangle(rid)} {rcls}Type)", f"(receptacleAtLocation {mangle(rid)} {mangle(loc)})"]
+        if rcls in C.OPENABLE_CLASS_LIST:
+            facts.append(f"(openable {mangle(rid)})")
+    present_objects = sorted({obj[0] for obj in spec["objects"]})
+    for rcls in sorted({r[0] for r in spec["receptacles"]}):
+        facts += [f"(canContain {rcls}Type {cls}Type)" for cls in present_objects if cls in C.VAL_RECEPTACLE_OBJECTS[rcls]]
+    locations = sorted({r[2] for r in spec["receptacles"]} | {spec["start"]})
+    goal = G.gdict[spec["task_type"]]["pddl"].format(
+        obj=spec["target"], recep=spec["other"], toggle=spec["other"], mrecep="").replace("#", "-")
+    declare = (["agent1 - agent"] + [f"{t}Type - otype" for t in object_types]
+               + [f"{t}Type - rtype" for t in receptacle_types] + [f"{o} - object" for o in objs]
+               + [f"{mangle(r[1])} - receptacle" for r in spec["receptacles"]]
+               + [f"{mangle(loc)} - location" for loc in locations])
+    init = [f"(atLocation agent1 {mangle(spec['start'])})"] + facts
+    return (f"\n(define (problem plan_{name})\n(:domain alfred)\n(:objects\n        " + "\n        ".join(declare)
+            + "\n        )\n\n\n(:init\n\n\n        " + "\n        ".join(init) + "\n        )\n" + goal)
+
+
+def traj_data(spec, trial, seed, split):
+    return {"task_id": trial, "task_type": spec["task_type"],
+            "pddl_params": {"object_target": spec["target"], "object_sliced": False, "mrecep_target": "",
+                            "parent_target": "" if spec["task_type"] == "look_at_obj_in_light" else spec["other"],
+                            "toggle_target": spec["other"] if spec["task_type"] == "look_at_obj_in_light" else ""},
+            "scene": {"floor_plan": f"FloorPlan{spec['scene']}", "scene_num": spec["scene"], "random_seed": seed},
+            "turk_annotations": {"anns": []},
+            "generator": {"program": "envs.alfworld_gen", "seed": seed, "split": split}}
+
+
+def write_game(out, split, spec, trial, seed):
+    """Write the three files; return the game.tw-pddl path (not yet checked by the expert)."""
+    from alfworld.agents.utils.misc import add_task_to_grammar
+    _, _, data_dir, _ = package()
+    folder = os.path.join(out, "json_2.1.1", split,
+                          f"{spec['task_type']}-{spec['target']}-None-{spec['other']}-{spec['scene']}", trial)
+    os.makedirs(folder, exist_ok=True)
+    traj = traj_data(spec, trial, seed, split)
+    problem = problem_text(spec, trial)
+    with open(os.path.join(data_dir, "alfred.pddl")) as f:
+        domain = f.read()
+    with open(os.path.join(data_dir, "alfred.twl2")) as f:
+        grammar = f.read()
+    state = random.getstate()
+    random.seed(seed)                       # add_task_to_grammar picks ALFRED's template with `random`
+    grammar = add_task_to_grammar(grammar, traj)
+    random.setstate(state)
+    with open(os.path.join(folder, "initial_state.pddl"), "w") as f:
+        f.write(problem)
+    with open(os.path.join(folder, "traj_data.json"), "w") as f:
+        json.dump(traj, f, indent=1)
+    path = os.path.join(folder, "game.tw-pddl")
+    with open(path, "w") as f:
+        json.dump({"pddl_domain": domain, "grammar": grammar, "pddl_problem": problem,
+                   "solvable": None, "walkthrough": None}, f)
+    return path
+
+
+# ----------------------------------------------------------------------------- one game, verified
+
+_ENGINE = None
+_ROOMS = None
+
+
+def all_rooms():
+    global _ROOMS
+    if _ROOMS is None:
+        C, _, _, layouts = package()
+        _ROOMS = {}
+        for scene in sorted(C.TRAIN_SCENE_NUMBERS + C.TEST_SCENE_NUMBERS):
+            room = load_room(scene)
+            with open(os.path.join(layouts, f"FloorPlan{scene}-objects.json")) as f:
+                room["lamps"] = sorted(set(json.load(f)) & set(LAMPS))
+            _ROOMS[scene] = room
+    return _ROOMS
+
+
+def make_game(job):
+    """Draw, write and verify game `index` of a split; retry new draws until the expert wins."""
+    global _ENGINE
+    out, split, index, seed, banned, max_expert_steps, attempts = job
+    C = package()[0]
+    scenes = C.TEST_SCENE_NUMBERS if split == "valid_unseen" else C.TRAIN_SCENE_NUMBERS
+    rooms = [all_rooms()[s] for s in scenes]
+    task_type = ORDER[index % len(ORDER)]
+    _ENGINE = _ENGINE or aw.make_engine()
+    for attempt in range(attempts):
+        rng = random.Random(f"{seed}/{split}/{index}/{attempt}")
+        spec = sample_spec(task_type, rooms, rng, banned)
+        if spec is None:
+            continue
+        trial = f"trial_S{seed}_{index:05d}"
+        path = write_game(out, split, spec, trial, seed=rng.getrandbits(31))
+        plan = aw.play_expert(path, max_steps=max_expert_steps, engine=_ENGINE)
+        for cache in (aw.read_game, aw._game_logic, aw._translate):   # the file changes below / is dropped
+            cache.cache_clear()
+        if plan is None:
+            shutil.rmtree(os.path.dirname(path))
+            continue
+        game = aw.read_game(path)
+        aw.read_game.cache_clear()
+        with open(path, "w") as f:
+            json.dump({**game, "solvable": True, "walkthrough": plan}, f)
+        return {"path": path, "split": split, "family": aw.FAMILIES[task_type], "scene": spec["scene"],
+                "combo": (task_type, spec["target"], spec["other"]), "expert_steps": len(plan), "attempts": attempt + 1}
+    return {"path": None, "split": split, "family": aw.FAMILIES[task_type], "attempts": attempts}
+
+
+# ----------------------------------------------------------------------------- command line
+
+def generate(out, counts, seed=0, max_expert_steps=30, workers=None, attempts=40, progress=True):
+    """Generate every split (train first: valid_unseen must avoid its combinations). Returns records."""
+    workers = workers or min(os.cpu_count() or 1, 8)
+    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
+    records, train_combos = [], frozenset()
+    bar = tqdm(total=sum(counts.values()), desc="alfworld games", unit="game", disable=not progress)
+    try:
+        for split in aw.SPLITS:
+            banned = train_combos if split == "valid_unseen" else frozenset()
+            jobs = [(out, split, i, seed, banned, max_expert_steps, attempts) for i in range(counts.get(split, 0))]
+            results = pool.imap(make_game, jobs) if pool else map(make_game, jobs)
+            for r in results:
+                records.append(r)
+                bar.update(1)
+                bar.set_postfix(split=split, failed=sum(x["path"] is None for x in records))
+            if split == "train":
+                train_combos = frozenset(r["combo"] for r in records if r["path"])
+    finally:
+        bar.close()
+        if pool:
+            pool.close()
+            pool.join()
+    return records
+
+
+def summary(records):
+    table = collections.Counter((r["split"], r["family"]) for r in records if r["path"])
+    lines = ["split         " + " ".join(f"{f:>6}" for f in aw.FAMILIES.values()) + "  total"]
+    for split in aw.SPLITS:
+        row = [table[(split, f)] for f in aw.FAMILIES.values()]
+        lines.append(f"{split:13s} " + " ".join(f"{n:6d}" for n in row) + f"  {sum(row):5d}")
+    steps = [r["expert_steps"] for r in records if r["path"]]
+    if steps:
+        lines.append(f"expert steps: mean {sum(steps) / len(steps):.1f}, max {max(steps)}; "
+                     f"draws per game: {sum(r['attempts'] for r in records) / len(records):.2f}")
+    failed = [r for r in records if not r["path"]]
+    if failed:
+        lines.append(f"{len(failed)} game(s) could not be made: " + ", ".join(f"{r['split']}/{r['family']}" for r in failed))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=aw.REPO_DATA, help="data folder (json_2.1.1/ is created inside)")
+    p.add_argument("--train", type=int, default=60, help="games in train")
+    p.add_argument("--valid_seen", type=int, default=12, help="games in valid_seen (training floor plans)")
+    p.add_argument("--valid_unseen", type=int, default=12, help="games in valid_unseen (held-out plans and combinations)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_expert_steps", type=int, default=30, help="keep games the expert wins within this many steps")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: number of cores, at most 8)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing json_2.1.1/ in --out")
+    args = p.parse_args(argv)
+    if min(args.train, args.valid_seen, args.valid_unseen) < 0 or args.max_expert_steps < 1:
+        p.error("counts must be >= 0 and --max_expert_steps >= 1")
+    target = os.path.join(args.out, "json_2.1.1")
+    if os.path.exists(target):
+        if not args.overwrite:
+            p.error(f"{target} exists; pass --overwrite to replace it or choose another --out")
+        shutil.rmtree(target)
+    t0 = time.time()
+    counts = {"train": args.train, "valid_seen": args.valid_seen, "valid_unseen": args.valid_unseen}
+    records = generate(args.out, counts, args.seed, args.max_expert_steps, args.workers)
+    print(summary(records))
+    n = sum(1 for r in records if r["path"])
+    print(f"wrote {n} games to {target} in {time.time() - t0:.1f} s")
+    return 0 if n == sum(counts.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""ALFWorld env (envs/alfworld.py) and offline game generator (envs/alfworld_gen.py).
+
+The real ALFRED game in ../shared/data/alfworld (data nobody on the project wrote) and freshly
+generated games go through the same loader, engine and expert.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from envs import alfworld as aw
+from envs import alfworld_gen as gen
+from envs import task_line
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = next((p for p in (REPO.parent / "shared" / "data", Path("/work/shared/data")) if p.is_dir()), None)
+REAL = SHARED / "alfworld" if SHARED else None
+REAL_PLAN = ["look", "go to sinkbasin 1", "go to microwave 1", "open microwave 1", "close microwave 1",
+             "go to garbagecan 1", "go to fridge 1", "open fridge 1", "close fridge 1", "go to countertop 1",
+             "go to countertop 2"]   # the README's plan up to the potato (which potato is the expert's draw)
+HOSTILE = ["", " ", "x" * 10_000, "<action></action>", "<think>hm</think>", "<action>look",
+           "<action>look</action><action>inventory</action>", "<action><action>look</action></action>",
+           "<think>\u601d\u8003</think><action>look</action>", "<action>l\u00f6\u00f6k</action>",
+           "<action>look\x00</action>", "<action>\U0001F600</action>", "\u202e<action>kool</action>",
+           "<action>__import__('os').system('echo pwned')</action>", "```python\nimport os\n```",
+           "<action>go to the moon</action>", "<action>" + "go to cabinet 1 " * 500 + "</action>",
+           "</action>look<action>", "<ACTION>look</ACTION><action>look</action>", None, 42, b"<action>look</action>"]
+
+
+def respond(action):
+    return f"<think>The expert would do this.</think><action>{action}</action>"
+
+
+def play_expert(env, task_id):
+    obs, info = env.reset(seed=task_id)
+    taken = []
+    while True:
+        action = env.expert_action()
+        assert action is not None, f"expert gave up after {taken}"
+        taken.append(action)
+        obs, reward, terminated, truncated, info = env.step(respond(action))
+        assert info["valid"], obs
+        if terminated or truncated:
+            return info, reward, terminated, taken
+
+
+# ----------------------------------------------------------------------------- the real game
+
+@pytest.fixture(scope="module")
+def real_env():
+    if REAL is None:
+        pytest.fail("shared data not found beside the repository (../shared/data) nor at /work/shared/data")
+    return aw.AlfWorldEnv(data_dir=str(REAL), split="valid_seen", max_steps=30)
+
+
+def test_real_game_expert_wins_in_16_steps(real_env):
+    obs, info = real_env.reset(seed=0)
+    assert obs.startswith("-= Welcome to TextWorld, ALFRED! =-")
+    assert real_env.task == "heat some potato and put it in sinkbasin."
+    assert real_env.family == info["family"] == "heat" and real_env.num_tasks == 1
+    assert "help" not in info["admissible"] and "go to microwave 1" in info["admissible"]
+    info, reward, terminated, taken = play_expert(real_env, 0)
+    assert info["won"] and terminated and reward == real_env.reward_scale == 10
+    assert len(taken) == 16 and taken[:11] == REAL_PLAN and taken[-1] == "move potato 1 to sinkbasin 1"
+    assert taken == real_env.reset(seed=0)[1]["expert_plan"]          # the plan reset reports is the one played
+    assert sys.argv[0] != "translate.py"                               # the PDDL translator's argv hack is undone
+
+
+def test_hostile_strings_are_invalid_and_change_nothing(real_env):
+    real_env.reset(seed=0)
+    admissible = list(real_env.admissible)
+    rng = random.Random(0)
+    junk = ["".join(rng.choice("<>/actionthk \n\t\u00e9\u4e2d\U0001F600x") for _ in range(rng.randint(0, 300)))
+            for _ in range(40)]
+    for text in HOSTILE + junk:
+        obs, reward, terminated, truncated, info = real_env.step(text)
+        assert not info["valid"] and info["action"] == "" and reward == 0 and not info["won"], text
+        assert obs.startswith("Invalid action") and real_env.admissible == admissible
+        real_env.steps = 0                                             # keep the episode open for the next string
+    obs, _, _, _, info = real_env.step("<think>go</think><action>  Go To   MICROWAVE 1 </action>")
+    assert info["valid"] and info["action"] == "go to microwave 1" and "microwave 1" in obs
+
+
+def test_prompt_has_task_line_history_and_actions(real_env):
+    real_env.reset(seed=0)
+    for action in REAL_PLAN[:7]:
+        real_env.step(respond(action))
+    real_env.step("no tags at all")
+    prompt = real_env.prompt()
+    lines = prompt.splitlines()
+    assert [ln for ln in lines if ln.startswith(task_line("alfworld"))] == [
+        "Your task is to: heat some potato and put it in sinkbasin."]
+    assert sum(ln.startswith("Step ") and " action: " in ln for ln in lines) == real_env.history_length == 5
+    assert "Step 8 action: (invalid)" in prompt and "Step 3 action" not in prompt
+    assert all(f'"{a}"' in prompt for a in real_env.admissible) and '"help"' not in prompt
+    assert "<think>" in prompt and "<action>" in prompt
+
+
+def test_truncation_and_steps_after_the_end(real_env):
+    env = aw.AlfWorldEnv(data_dir=str(REAL), split="valid_seen", max_steps=3)
+    env.reset(seed=5)                                                  # wraps around to the only game
+    outs = [env.step("nothing") for _ in range(3)]
+    assert [o[3] for o in outs] == [False, False, True] and not any(o[2] for o in outs)
+    obs, reward, terminated, truncated, info = env.step(respond("look"))
+    assert not info["valid"] and reward == 0 and truncated
+
+
+def test_missing_data_folder_says_how_to_get_games(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        aw.AlfWorldEnv(data_dir=str(tmp_path / "nowhere"))
+    assert "envs.alfworld_gen" in str(err.value) and "alfworld-download" in str(err.value)
+    with pytest.raises(ValueError):
+        aw.list_games(str(REAL), "test")
+
+
+def test_family_labels():
+    for task_type, family in [("pick_and_place_simple", "pick"), ("look_at_obj_in_light", "look"),
+                              ("pick_clean_then_place_in_recep", "clean"), ("pick_heat_then_place_in_recep", "heat"),
+                              ("pick_cool_then_place_in_recep", "cool"), ("pick_two_obj_and_place", "pick2")]:
+        assert aw.family_of(f"/d/json_2.1.1/train/{task_type}-Mug-None-Desk-301/trial_1/game.tw-pddl") == family
+    assert sorted(aw.FAMILIES.values()) == sorted(["pick", "look", "clean", "heat", "cool", "pick2"])
+
+
+# ----------------------------------------------------------------------------- generated games
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("alfworld")
+    records = gen.generate(str(out), {"train": 6, "valid_seen": 6, "valid_unseen": 6}, seed=3,
+                           max_expert_steps=30, workers=2, progress=False)
+    return out, records
+
+
+def test_generator_covers_every_family_and_split(generated):
+    out, records = generated
+    assert all(r["path"] for r in records), gen.summary(records)
+    cells = {(r["split"], r["family"]) for r in records}
+    assert cells == {(s, f) for s in aw.SPLITS for f in aw.FAMILIES.values()}
+    C = gen.package()[0]
+    train = [r for r in records if r["split"] == "train"]
+    unseen = [r for r in records if r["split"] == "valid_unseen"]
+    assert all(r["scene"] in C.TRAIN_SCENE_NUMBERS for r in records if r["split"] != "valid_unseen")
+    assert all(r["scene"] in C.TEST_SCENE_NUMBERS for r in unseen)
+    assert not {r["combo"] for r in unseen} & {r["combo"] for r in train}
+
+
+def test_generated_games_use_the_package_domain_and_grammar(generated):
+    out, records = generated
+    _, _, data_dir, _ = gen.package()
+    domain = Path(data_dir, "alfred.pddl").read_text()
+    grammar = Path(data_dir, "alfred.twl2").read_text()
+    for r in records:
+        folder = Path(r["path"]).parent
+        assert {p.name for p in folder.iterdir()} == {"game.tw-pddl", "traj_data.json", "initial_state.pddl"}
+        game = json.loads(Path(r["path"]).read_text())
+        traj = json.loads((folder / "traj_data.json").read_text())
+        assert game["pddl_domain"] == domain and game["solvable"] is True and game["walkthrough"]
+        assert game["pddl_problem"] == (folder / "initial_state.pddl").read_text()
+        assert "UNKNOWN GOAL" not in game["grammar"] and game["grammar"].count("Your task is to: ") == 1
+        assert game["grammar"].replace(game["grammar"].split("Your task is to: ")[1].split('"')[0], "UNKNOWN GOAL.") == grammar
+        assert traj["task_type"] in aw.FAMILIES and folder.parent.name.startswith(traj["task_type"] + "-")
+
+
+def test_generated_games_are_won_by_the_expert_through_the_env(generated):
+    out, _ = generated
+    for split in aw.SPLITS:
+        env = aw.AlfWorldEnv(data_dir=str(out), split=split, max_steps=30)
+        families = set()
+        for task_id in range(env.num_tasks):
+            plan = env.reset(seed=task_id)[1]["expert_plan"]
+            info, reward, terminated, taken = play_expert(env, task_id)
+            assert info["won"] and terminated and reward == 10 and taken == plan, (env.game, taken, plan)
+            families.add(env.family)
+        assert families == set(aw.FAMILIES.values())
+
+
+def test_same_seed_same_task(generated):
+    out, _ = generated
+    a = aw.AlfWorldEnv(data_dir=str(out), split="train")
+    b = aw.AlfWorldEnv(data_dir=str(out), split="train")
+    seen = []
+    for task_id in range(a.num_tasks):
+        obs_a, info_a = a.reset(seed=task_id)
+        obs_b, info_b = b.reset(seed=task_id + b.num_tasks)            # ids wrap around
+        assert obs_a == obs_b and a.task == b.task and a.game == b.game and info_a["family"] == info_b["family"]
+        seen.append(a.game)
+    assert len(set(seen)) == a.num_tasks
+
+
+def test_sampling_is_deterministic():
+    rooms = [gen.all_rooms()[s] for s in gen.package()[0].TRAIN_SCENE_NUMBERS]
+    for task_type in gen.ORDER:
+        specs = [gen.sample_spec(task_type, rooms, random.Random(f"same/{task_type}")) for _ in range(2)]
+        assert specs[0] == specs[1]
+
+
+def test_engine_speedups_do_not_change_transcripts(generated):
+    """The cached TextWorld text generation gives the same observations and admissible commands as
+    the package's own code path (SEED_ALFWORLD_PLAIN=1 turns the caches off)."""
+    out, records = generated
+    games = [r["path"] for r in records if r["split"] == "valid_seen"][:2]
+    script = (
+        "import json, random, sys\n"
+        "from envs import alfworld as aw\n"
+        "eng, log = aw.make_engine(), []\n"
+        "for path in sys.argv[1:]:\n"
+        "    rng, state = random.Random(0), aw.engine_reset(eng, path)\n"
+        "    for k in range(1, 13):\n"
+        "        cmd = state['extra.expert_plan'][0] if k % 3 else rng.choice(state['admissible_commands'])\n"
+        "        state, _ = aw.engine_step(eng, cmd, k)\n"
+        "        log.append([cmd, state['feedback'], state['admissible_commands'], state['extra.expert_plan']])\n"
+        "print(json.dumps(log))\n")
+    runs = []
+    for plain in ("", "1"):
+        env = {**os.environ, "SEED_ALFWORLD_PLAIN": plain, "PYTHONPATH": str(REPO)}
+        proc = subprocess.run([sys.executable, "-c", script, *games], capture_output=True, text=True, env=env,
+                              cwd=REPO, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert runs[0] == runs[1] and len(runs[0]) == 24
