@@ -1,0 +1,399 @@
+"""Hindsight analysis: an episode becomes a skill (Section 3.2 "self-evolving analyzer", and the Stage-1
+annotators of Section 3.5).
+
+The analyzer reads a finished episode (task, outcome, every step's observation, full response and
+validity) and answers with one JSON object {"episode_summary": ..., "episode_skill": ...}: a reusable
+workflow for a success, an avoidance rule for a failure, addressed to the policy. During RL the analyzer is
+the snapshot pi_old itself (`analyze`, greedy, up to 2 corrective retries on a parse failure); in Stage 1 it
+is an external OpenAI-compatible endpoint (`ExternalAnalyzer`) or, offline, `scripted_analysis`, which
+writes the skill from the env's own expert plan and the failure it saw. `insert_skill` puts a skill into an
+actor prompt (re-scoring, the skill_grpo and skill_prompt baselines); `SkillLibrary` keeps Stage-1 skills
+for the baselines that retrieve a skill instead of analyzing live.
+"""
+import json
+import os
+import re
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import envs
+import rollout
+
+SYSTEM = ("You are an expert coach for an AI agent. You read one finished episode of the agent and write a "
+          "short, reusable skill that will help the agent on similar tasks. You answer with JSON only.")
+CORRECTION = ("Your answer could not be used: {why}. Reply with only one JSON object, exactly of the form "
+              '{{"episode_summary": "<one or two sentences>", "episode_skill": "<one short skill, a full '
+              'sentence addressed to the agent>"}}, and nothing else.')
+TURN_LINE = "Now it's your turn"     # opens the turn instruction in verl-agent style prompts
+SKILL_PREFIX = "Skill from past experience: "
+MAX_SKILL_CHARS = 600                # a longer skill is cut at a sentence or word boundary
+PLACEHOLDERS = {"", "none", "n/a", "na", "null", "skill", "...", "todo", "tbd", "unknown", "no skill",
+                "<the skill>", "<one short skill>", "episode_skill"}
+
+
+# ----------------------------------------------------------------------------- the analysis prompt
+
+def _outcome(ep):
+    if ep.won:
+        return f"SUCCESS: the task was completed in {ep.length} steps (reward {ep.reward:g})."
+    return f"FAILURE: the task was not completed after {ep.length} steps (reward {ep.reward:g})."
+
+
+def _render_steps(ep, obs_keep, resp_cap):
+    """The trajectory block; observations of steps before `obs_keep` are trimmed, responses capped."""
+    lines = []
+    for t, s in enumerate(ep.steps):
+        obs = s.observation if t >= obs_keep else "[older observation trimmed]"
+        resp = s.response_text if len(s.response_text) <= resp_cap else s.response_text[:resp_cap] + " [...]"
+        valid = "valid" if s.valid else "INVALID (not an admissible, well-formed action)"
+        lines += [f"## Step {t + 1}", f"Observation: {obs}", f"Agent response: {resp}", f"Action: {valid}", ""]
+    return "\n".join(lines)
+
+
+def analysis_prompt(episode, max_chars=12000):
+    """-> chat messages asking for {"episode_summary", "episode_skill"} about `episode`.
+    To fit `max_chars` (about 4 characters a token), old observations are trimmed first (oldest first,
+    the last one is kept), then old responses are shortened."""
+    ep = episode
+    head = (f"Environment: {ep.env}\nTask: {ep.task}\nOutcome: {_outcome(ep)}\n\n# Trajectory\n")
+    tail = ("# Your job\nWrite one skill the agent should follow next time it meets a similar task.\n"
+            + ("- The episode SUCCEEDED: write the workflow that worked, as the few key steps in order.\n"
+               if ep.won else
+               "- The episode FAILED: write an avoidance rule: what went wrong (invalid actions, loops, "
+               "wasted steps, wrong objects) and what to do instead.\n")
+            + "- Address the agent directly, in at most three sentences; make it reusable for similar tasks, "
+              "not a copy of this episode's step numbers.\n"
+              'Answer with only this JSON object:\n{"episode_summary": "<what happened, one or two sentences>", '
+              '"episode_skill": "<the skill>"}')
+    n, budget = ep.length, max_chars - len(head) - len(tail)
+    body = _render_steps(ep, 0, 10**9)
+    for keep in range(1, n):                                    # trim observations, oldest first
+        if len(body) <= budget:
+            break
+        body = _render_steps(ep, keep, 10**9)
+    for cap in (800, 400, 200, 80):                             # then shorten responses
+        if len(body) <= budget:
+            break
+        body = _render_steps(ep, n - 1, cap)
+    if len(body) > budget:                                      # still too long: keep the most recent part
+        body = "[earlier steps omitted]\n" + body[len(body) - max(budget - 30, 0):]
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": head + body + "\n" + tail}]
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def _json_objects(text):
+    """Every JSON object that decodes from some '{' in `text`, in order (trailing commas tolerated)."""
+    dec = json.JSONDecoder()
+    for m in re.finditer(r"\{", text):
+        for chunk in (text[m.start():], re.sub(r",\s*([}\]])", r"\1", text[m.start():])):
+            try:
+                obj, _ = dec.raw_decode(chunk)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                yield obj
+                break
+
+
+def _clean(value):
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = " ".join(value)
+    return " ".join(value.split()) if isinstance(value, str) else None
+
+
+def _shorten(skill):
+    if len(skill) <= MAX_SKILL_CHARS:
+        return skill
+    cut = skill[:MAX_SKILL_CHARS]
+    end = max(cut.rfind(". "), cut.rfind("! "), cut.rfind("? "))
+    return cut[:end + 1] if end > MAX_SKILL_CHARS // 3 else cut[:cut.rfind(" ")].rstrip(",;:") + "..."
+
+
+def _parse(text):
+    """-> (dict or None, reason for the corrective message)."""
+    if not isinstance(text, str) or not text.strip():
+        return None, "the answer was empty"
+    objs = list(_json_objects(text))
+    if not objs:
+        return None, "no JSON object was found"
+    for obj in objs:
+        if "episode_skill" not in obj:
+            continue
+        skill, summary = _clean(obj["episode_skill"]), _clean(obj.get("episode_summary", ""))
+        if skill is None:
+            return None, '"episode_skill" must be a string'
+        bare = skill.strip(" .\"'<>").lower()
+        if bare in PLACEHOLDERS or len(bare) < 12 or len(bare.split()) < 3 or "<the skill>" in skill.lower():
+            return None, '"episode_skill" was empty or trivial; write a real, specific skill'
+        if sum(c.isalpha() for c in skill) < len(skill) / 2:
+            return None, '"episode_skill" must be plain English sentences'
+        return {"episode_summary": summary or "", "episode_skill": _shorten(skill)}, ""
+    return None, 'the JSON object had no "episode_skill" key'
+
+
+def parse_analysis(text):
+    """The analyzer's answer -> {"episode_summary", "episode_skill"} or None. Tolerates code fences and
+    text around the JSON (the first object with an "episode_skill" key wins); rejects a missing, empty,
+    placeholder or trivial skill (fewer than 3 words / 12 characters, mostly non-letters). Never evals."""
+    return _parse(text)[0]
+
+
+# ----------------------------------------------------------------------------- the live analyzer (pi_old)
+
+def fit_prompt(episode, tokenizer, max_prompt_tokens):
+    """analysis_prompt shrunk (old observations first) until its chat ids fit `max_prompt_tokens`."""
+    chars = 4 * max_prompt_tokens
+    for _ in range(8):
+        msgs = analysis_prompt(episode, max_chars=chars)
+        n = len(rollout.chat_ids(tokenizer, msgs))
+        if n <= max_prompt_tokens:
+            break
+        chars = int(chars * max_prompt_tokens / n * 0.95)
+    return msgs
+
+
+def analyze(engine, tokenizer, episodes, max_tokens=256, retries=2, max_prompt_tokens=None):
+    """Greedy analysis of every episode by the snapshot, batched: one `engine.generate` call per round over
+    all episodes still unparsed; a failed parse gets the bad answer back plus a corrective message, up to
+    `retries` more rounds. Sets ep.summary / ep.skill (None when it never parsed).
+    -> {"episodes", "parsed", "parse_failures", "parse_failure_rate", "first_try_failures", "generate_calls"}.
+    `engine` is any object with the CONTRACT's generate(prompt_ids_list, temperature, max_tokens, n). The
+    prompt is trimmed to `max_prompt_tokens` (default: the engine's max_model_len minus room for every
+    answer and corrective message of the retries)."""
+    if max_prompt_tokens is None:
+        max_prompt_tokens = getattr(engine, "max_model_len", 4096) - (retries + 1) * max_tokens - 96 * retries
+    if max_prompt_tokens < 256:
+        raise ValueError(f"max_tokens={max_tokens} with {retries} retries leaves {max_prompt_tokens} prompt "
+                         f"tokens for the analysis; raise the engine's max_model_len or lower max_tokens")
+    convs = [fit_prompt(ep, tokenizer, max_prompt_tokens) for ep in episodes]
+    for ep in episodes:
+        ep.summary, ep.skill = None, None
+    pending, first_fail, calls = list(range(len(episodes))), 0, 0
+    for attempt in range(retries + 1):
+        if not pending:
+            break
+        outs = engine.generate([rollout.chat_ids(tokenizer, convs[i]) for i in pending],
+                               temperature=0.0, max_tokens=max_tokens, n=1)
+        calls += 1
+        still = []
+        for i, (ids, _) in zip(pending, outs):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            parsed, why = _parse(text)
+            if parsed:
+                episodes[i].summary, episodes[i].skill = parsed["episode_summary"], parsed["episode_skill"]
+            else:
+                convs[i] = convs[i] + [{"role": "assistant", "content": text},
+                                       {"role": "user", "content": CORRECTION.format(why=why)}]
+                still.append(i)
+        first_fail += len(still) if attempt == 0 else 0
+        pending = still
+    n = len(episodes)
+    return {"episodes": n, "parsed": n - len(pending), "parse_failures": len(pending),
+            "parse_failure_rate": len(pending) / max(n, 1), "first_try_failures": first_fail,
+            "generate_calls": calls}
+
+
+# ----------------------------------------------------------------------------- skills in prompts
+
+def insert_skill(prompt_text, skill, env_name):
+    """Put a one-line skill block right after the env's task line ("Your task is to: ..."); when that line
+    is absent, right before the turn instruction (the last line that starts with "Now it's your turn" or
+    asks for <think>, i.e. the format instruction); failing both, at the top.
+    An empty or None skill returns the prompt unchanged."""
+    if not skill or not skill.strip():
+        return prompt_text
+    block = SKILL_PREFIX + " ".join(skill.split())
+    lines = prompt_text.split("\n")
+    prefix = envs.task_line(env_name)
+    at = next((i + 1 for i, ln in enumerate(lines) if ln.lstrip().startswith(prefix)), None)
+    if at is None:
+        at = next((i + 1 for i, ln in enumerate(lines) if prefix in ln), None)
+    if at is None:                                              # the turn / format instruction
+        turn = [i for i, ln in enumerate(lines) if ln.lstrip().startswith(TURN_LINE) or "<think>" in ln]
+        at = turn[-1] if turn else 0
+    return "\n".join(lines[:at] + [block] + lines[at:])
+
+
+# ----------------------------------------------------------------------------- the scripted annotator
+
+def _key_steps(plan, cap=12):
+    """An expert plan without the detours: runs of repeats collapsed, a move followed by another move
+    dropped (only the last "go to" before an interaction matters), cut to `cap` items."""
+    steps = []
+    for a in plan:
+        a = str(a).strip()
+        if not a:
+            continue
+        if steps and steps[-1][0] == a:
+            steps[-1][1] += 1
+        elif steps and a.startswith("go to ") and steps[-1][0].startswith("go to ") and steps[-1][1] == 1:
+            steps[-1][0] = a
+        else:
+            steps.append([a, 1])
+    out = [a if k == 1 else f"{a} (x{k})" for a, k in steps]
+    return out if len(out) <= cap else out[:cap - 1] + ["...", out[-1]]
+
+
+def scripted_analysis(episode):
+    """Stage-1 analysis written from the env's own knowledge, no model: a workflow from
+    episode.info["expert_plan"] for a success; for a failure, an avoidance rule from what went wrong
+    (invalid actions, repeated actions, running out of steps) plus the expert's key steps.
+    -> {"episode_summary", "episode_skill"}."""
+    ep, plan = episode, _key_steps(episode.info.get("expert_plan") or [])
+    route = " -> ".join(plan)
+    if ep.won:
+        summary = f"The agent completed the task '{ep.task}' in {ep.length} steps."
+        skill = (f"For tasks like '{ep.task}', follow this workflow: {route}." if plan else
+                 f"For tasks like '{ep.task}', repeat what worked: "
+                 + " -> ".join(_key_steps([s.action for s in ep.steps if s.valid])) + ".")
+        return {"episode_summary": summary, "episode_skill": skill}
+    invalid = [s for s in ep.steps if not s.valid]
+    acts = Counter(s.action for s in ep.steps if s.valid and s.action)
+    loop = next(((a, k) for a, k in acts.most_common(1) if k >= 3), None)
+    max_steps = ep.info.get("max_steps")
+    problems, rules = [], []
+    if invalid:
+        problems.append(f"{len(invalid)} of {ep.length} responses were invalid actions")
+        rules.append("always end with exactly one admissible action in the required tags")
+    if loop:
+        problems.append(f"the action '{loop[0]}' was repeated {loop[1]} times")
+        rules.append(f"do not repeat '{loop[0]}' when it does not change the situation")
+    if max_steps and ep.length >= max_steps:
+        problems.append(f"all {max_steps} steps ran out")
+        rules.append("move toward the goal directly instead of exploring at random")
+    if not problems:
+        problems.append(f"the goal was not reached in {ep.length} steps")
+        rules.append("check that each action brings you closer to the goal")
+    summary = f"The agent failed the task '{ep.task}': " + "; ".join(problems) + "."
+    skill = "Avoid this failure: " + "; ".join(rules) + "."
+    if plan:
+        skill += f" Instead, the key steps are: {route}."
+    return {"episode_summary": summary, "episode_skill": skill}
+
+
+# ----------------------------------------------------------------------------- the external analyzer
+
+class ExternalAnalyzer:
+    """Client of any OpenAI-compatible chat endpoint (POST {base_url}/chat/completions, temperature 0).
+    base_url is the API root, e.g. "http://127.0.0.1:8000/v1". The key is read from the environment
+    variable `api_key_env` (optional for local servers) and never printed. Each request: `timeout` seconds,
+    up to `retries` retries with exponential backoff on connection errors, timeouts, 429 and 5xx; then a
+    RuntimeError naming the URL. `concurrency` requests run at once."""
+
+    def __init__(self, base_url, model, api_key_env="SEED_ANALYZER_KEY", timeout=60, retries=4,
+                 concurrency=8, backoff=1.0, max_tokens=512, parse_retries=2):
+        self.url = base_url.rstrip("/")
+        if not self.url.endswith("/chat/completions"):
+            self.url += "/chat/completions"
+        self.model, self.timeout, self.retries = model, timeout, retries
+        self.concurrency, self.backoff, self.max_tokens = concurrency, backoff, max_tokens
+        self.parse_retries = parse_retries
+        self.api_key_env = api_key_env     # the key itself is read per request and kept nowhere
+        self._local = threading.local()
+
+    def _session(self):
+        import requests
+        if not hasattr(self._local, "s"):
+            self._local.s = requests.Session()
+        return self._local.s
+
+    def chat(self, messages):
+        """One completion text, with retries and backoff."""
+        import requests
+        headers = {"Content-Type": "application/json"}
+        if os.environ.get(self.api_key_env):
+            headers["Authorization"] = "Bearer " + os.environ[self.api_key_env]
+        body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": self.max_tokens}
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), 30.0))
+            try:
+                r = self._session().post(self.url, json=body, headers=headers, timeout=self.timeout)
+            except requests.Timeout:
+                last = f"no answer within {self.timeout} s"
+                continue
+            except requests.ConnectionError as e:
+                last = f"connection failed ({type(e).__name__})"
+                continue
+            if r.status_code == 429 or r.status_code >= 500:
+                last = f"HTTP {r.status_code}"
+                continue
+            if r.status_code != 200:
+                raise RuntimeError(f"analyzer endpoint {self.url} refused the request: HTTP {r.status_code} "
+                                   f"{r.text[:200]!r}" + (f" (check the API key in ${self.api_key_env})"
+                                                          if r.status_code in (401, 403) else ""))
+            try:
+                return r.json()["choices"][0]["message"]["content"] or ""
+            except (ValueError, KeyError, IndexError, TypeError):
+                last = "malformed response body"
+        raise RuntimeError(f"analyzer endpoint {self.url} unreachable after {self.retries + 1} attempts "
+                           f"(last error: {last})")
+
+    def _one(self, episode):
+        msgs = analysis_prompt(episode)
+        for _ in range(self.parse_retries + 1):
+            text = self.chat(msgs)
+            parsed, why = _parse(text)
+            if parsed:
+                return parsed
+            msgs = msgs + [{"role": "assistant", "content": text},
+                           {"role": "user", "content": CORRECTION.format(why=why)}]
+        return None
+
+    def annotate(self, episodes, progress=True):
+        """-> one {"episode_summary", "episode_skill"} or None (never parsed) per episode, in order."""
+        from tqdm import tqdm
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(tqdm(pool.map(self._one, episodes), total=len(episodes), desc="external analyzer",
+                             disable=not progress))
+
+
+# ----------------------------------------------------------------------------- the skill library
+
+class SkillLibrary:
+    """Stage-1 skills, one JSON line each: {"env", "family", "task", "skill"}. `retrieve` serves the
+    static_skills / skill_grpo / skill_prompt baselines: among the env's skills, the same family first
+    (any family when it has none), then the best BM25 match of the task text."""
+
+    def __init__(self, entries=None):
+        self.entries = list(entries or [])
+        self._index = {}
+
+    def add(self, env, family, task, skill):
+        if skill:
+            self.entries.append({"env": env, "family": family, "task": task, "skill": skill})
+            self._index.clear()
+
+    def save(self, path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            for e in self.entries:
+                f.write(json.dumps(e) + "\n")
+
+    @classmethod
+    def load(cls, path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"skill library {path} not found (Stage 1 writes it)")
+        with open(path) as f:
+            return cls(json.loads(line) for line in f if line.strip())
+
+    def retrieve(self, env, family, task_text):
+        """-> the skill of the best-matching entry, or None when the env has none."""
+        import bm25s
+        pool = [e for e in self.entries if e["env"] == env]
+        same = [e for e in pool if e["family"] == family]
+        pool = same or pool
+        if not pool:
+            return None
+        key = (env, family if same else None)
+        if key not in self._index:
+            bm = bm25s.BM25()
+            bm.index(bm25s.tokenize([e["task"] for e in pool], show_progress=False), show_progress=False)
+            self._index[key] = bm
+        q = bm25s.tokenize([task_text], return_ids=False, show_progress=False)
+        docs, scores = self._index[key].retrieve(q, k=1, show_progress=False)
+        return pool[int(docs[0, 0]) if scores[0, 0] > 0 else 0]["skill"]   # no shared word: the first

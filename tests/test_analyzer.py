@@ -1,0 +1,351 @@
+"""analyzer.py: the analysis prompt and its trimming, parsing of malformed outputs, the retry path of
+`analyze` (a scripted engine double: the real engines are tested in test_rollout.py) and one real run on the
+HF engine, skill insertion into the envs' real prompts, the scripted Stage-1 annotator, the external client
+against a local HTTP server, and the skill library."""
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import analyzer  # noqa: E402
+import envs  # noqa: E402
+import rollout  # noqa: E402
+from rollout import Episode, Step  # noqa: E402
+
+GOOD = '{"episode_summary": "The agent found the apple and cooled it.", "episode_skill": "Find the apple, cool it in the fridge, then put it on the table."}'
+
+
+def episode(won=False, steps=(), task="put a cool apple in diningtable", env="alfworld", family="cool", info=None):
+    ep = Episode(task_id=3, group_id=0, env=env, task=task, family=family, info=dict(info or {}))
+    for obs, resp, valid, action in steps:
+        ep.steps.append(Step(prompt_text="", prompt_ids=[], response_ids=[], response_text=resp,
+                             old_logprobs=[], observation=obs, action=action, valid=valid))
+    ep.won, ep.reward = won, 10.0 if won else 0.0
+    return ep
+
+
+STEPS = [("You are in the middle of a room.", "<think>look for the apple</think><action>go to countertop 1</action>",
+          True, "go to countertop 1"),
+         ("On the countertop 1, you see an apple 1.", "I will take it", False, ""),
+         ("Nothing happens.", "<think>take it</think><action>take apple 1 from countertop 1</action>",
+          True, "take apple 1 from countertop 1")]
+
+
+# ----------------------------------------------------------------------------- the prompt
+
+def test_analysis_prompt_holds_the_whole_episode():
+    for won in (True, False):
+        msgs = analyzer.analysis_prompt(episode(won, STEPS))
+        assert [m["role"] for m in msgs] == ["system", "user"]
+        text = msgs[1]["content"]
+        assert "put a cool apple in diningtable" in text
+        assert ("SUCCESS" in text) == won and ("FAILURE" in text) != won
+        assert ("workflow" in text) == won and ("avoidance rule" in text) != won
+        for obs, resp, _, _ in STEPS:
+            assert obs in text and resp in text
+        assert text.count("Action: valid") == 2 and text.count("Action: INVALID") == 1
+        assert '"episode_summary"' in text and '"episode_skill"' in text
+
+
+def test_analysis_prompt_trims_old_observations_first():
+    steps = [(f"observation {t} " + "x" * 300, f"<think>step {t}</think><action>look</action>", True, "look")
+             for t in range(20)]
+    ep = episode(False, steps)
+    full = analyzer.analysis_prompt(ep, max_chars=10**6)[1]["content"]
+    text = analyzer.analysis_prompt(ep, max_chars=4000)[1]["content"]
+    assert len(full) > 6000 and len(text) <= 4000
+    assert "observation 0 " not in text and "observation 19 " in text       # oldest go, the last stays
+    assert all(f"<think>step {t}</think>" in text for t in range(20))       # responses kept whole
+    tiny = analyzer.analysis_prompt(ep, max_chars=1500)[1]["content"]       # then responses shrink, then steps
+    assert len(tiny) <= 1500 and "observation 19" in tiny and '"episode_skill"' in tiny
+
+
+def test_fit_prompt_respects_a_token_budget(tokenizer):
+    steps = [(f"observation {t} " + "the cabinet is closed. " * 30, "<action>look</action>", True, "look")
+             for t in range(30)]
+    msgs = analyzer.fit_prompt(episode(False, steps), tokenizer, 700)
+    assert len(rollout.chat_ids(tokenizer, msgs)) <= 700
+    assert "observation 29" in msgs[1]["content"]
+
+
+# ----------------------------------------------------------------------------- parsing
+
+@pytest.mark.parametrize("text", [
+    GOOD,
+    "```json\n" + GOOD + "\n```",
+    "Sure! Here is my analysis:\n" + GOOD + "\nHope this helps.",
+    "{not json at all} and then " + GOOD,
+    GOOD.replace('table."}', 'table.",}'),                                        # trailing comma
+    '{"episode_skill": ["Find the apple first,", "then cool it in the fridge."]}',   # a list of lines, no summary
+])
+def test_parse_analysis_accepts(text):
+    out = analyzer.parse_analysis(text)
+    assert out is not None and set(out) == {"episode_summary", "episode_skill"}
+    assert "apple" in out["episode_skill"] and "fridge" in out["episode_skill"]
+
+
+@pytest.mark.parametrize("text", [
+    None, "", "   ", "I think the agent should be more careful.",
+    '{"episode_summary": "ok", "episode_skill": ""}',
+    '{"episode_summary": "ok", "episode_skill": "N/A"}',
+    '{"episode_summary": "ok", "episode_skill": "<the skill>"}',
+    '{"episode_summary": "ok", "episode_skill": "Be careful"}',                    # trivial: two words
+    '{"episode_summary": "ok", "episode_skill": 42}',
+    '{"episode_summary": "ok", "episode_skill": null}',
+    '{"episode_summary": "ok", "episode_skill": "!!! ??? ### $$$ %%% ^^^ &&&"}',
+    '{"episode_summary": "ok", "skill": "Find the apple and cool it in the fridge."}',  # wrong key
+    '{"episode_summary": "ok", "episode_skill": "Find the apple and cool it',           # cut off
+    "{'episode_summary': 'ok', 'episode_skill': 'Find the apple and cool it.'}",        # Python, not JSON
+    '["Find the apple and cool it in the fridge."]',
+    "```json\n```",
+])
+def test_parse_analysis_rejects(text):
+    assert analyzer.parse_analysis(text) is None
+
+
+def test_parse_analysis_shortens_a_rambling_skill():
+    skill = "Open the fridge before you put the apple inside. " * 40
+    out = analyzer.parse_analysis(json.dumps({"episode_summary": "s", "episode_skill": skill}))
+    assert len(out["episode_skill"]) <= analyzer.MAX_SKILL_CHARS and out["episode_skill"].endswith(".")
+
+
+# ----------------------------------------------------------------------------- analyze
+
+class ScriptedEngine:
+    """An engine double: answers each prompt with the next scripted text of its episode, recording prompts.
+    (The real vLLM/HF engines are tested in test_rollout.py; here the point is the retry logic.)"""
+
+    def __init__(self, tokenizer, scripts):
+        self.tok, self.scripts, self.calls = tokenizer, scripts, []
+        self.max_model_len = 4096
+
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        assert temperature == 0.0 and n == 1
+        self.calls.append([self.tok.decode(p) for p in prompt_ids_list])
+        out = []
+        for text in self.calls[-1]:
+            k = next(i for i, ep_task in enumerate(("task A", "task B", "task C")) if ep_task in text)
+            ids = self.tok(self.scripts[k].pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append((ids, [0.0] * len(ids)))
+        return out
+
+
+def test_analyze_retry_path(tokenizer):
+    eps = [episode(True, STEPS, task=t) for t in ("task A", "task B", "task C")]
+    engine = ScriptedEngine(tokenizer, [[GOOD], ["Let me think... no JSON here.", "```json\n" + GOOD + "\n```"],
+                                        ["{}", '{"episode_skill": "N/A"}', "still nothing"]])
+    stats = analyzer.analyze(engine, tokenizer, eps, max_tokens=64, retries=2)
+    assert stats == {"episodes": 3, "parsed": 2, "parse_failures": 1, "parse_failure_rate": pytest.approx(1 / 3),
+                     "first_try_failures": 2, "generate_calls": 3}
+    assert [len(c) for c in engine.calls] == [3, 2, 1]                     # one batched call per round
+    assert eps[0].skill == eps[1].skill == json.loads(GOOD)["episode_skill"]
+    assert eps[2].skill is None and eps[2].summary is None
+    retry = engine.calls[1][0]                                             # task B's second prompt
+    assert "Let me think... no JSON here." in retry and "could not be used: no JSON object" in retry
+    last = engine.calls[2][0]                                              # task C's third: both corrections
+    assert last.count("could not be used") == 2 and "empty or trivial" in last
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # the 2 test cores are shared: one thread is far faster than two contended
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_analyze_runs_on_the_real_hf_engine(hf_engine, tokenizer, one_thread):
+    """The plumbing on the real engine (token ids in, decoded text out). The base 135M model does not
+    write the JSON before Stage 1 (measured: 0 of 2 parsed at 128 tokens, 3 rounds), so both outcomes pass."""
+    eps = [episode(False, STEPS[1:2])]
+    stats = analyzer.analyze(hf_engine, tokenizer, eps, max_tokens=8, retries=1)
+    assert stats["episodes"] == 1 and stats["parsed"] + stats["parse_failures"] == 1
+    assert stats["generate_calls"] == 1 + stats["first_try_failures"]
+    assert (eps[0].skill is None) == (stats["parse_failures"] == 1)
+
+
+# ----------------------------------------------------------------------------- insert_skill
+
+SKILL = "Push the box along the free column first, never into a corner."
+
+
+def _check_after_task_line(prompt, name):
+    out = analyzer.insert_skill(prompt, SKILL, name)
+    assert out.count(SKILL) == 1
+    lines = out.split("\n")
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(envs.task_line(name)))
+    assert lines[at + 1] == analyzer.SKILL_PREFIX + SKILL
+    assert out.replace(analyzer.SKILL_PREFIX + SKILL + "\n", "") == prompt    # nothing else changed
+
+
+def test_insert_skill_after_the_task_line_of_real_prompts():
+    for name in ("sokoban", "ezpoints"):
+        env = envs.make(name)
+        env.reset(seed=1)
+        _check_after_task_line(env.prompt(), name)
+    _check_after_task_line("You answer questions.\nYour question: who wrote Hamlet?\nThink, then answer.", "search")
+
+
+def test_insert_skill_fallbacks_and_empty():
+    prompt = "You play a game.\nCurrent observation: a wall.\nNow it's your turn to act. Use <action>."
+    out = analyzer.insert_skill(prompt, SKILL, "sokoban").split("\n")
+    assert out[2] == analyzer.SKILL_PREFIX + SKILL and out[3].startswith("Now it's your turn")
+    prompt = "You play a game.\nCurrent observation: a wall.\nFirst think inside <think> </think>, then act."
+    out = analyzer.insert_skill(prompt, SKILL, "sokoban").split("\n")
+    assert out[2] == analyzer.SKILL_PREFIX + SKILL and out[3].startswith("First think")
+    assert analyzer.insert_skill("Just text.", SKILL, "sokoban").split("\n")[0] == analyzer.SKILL_PREFIX + SKILL
+    # the task sentence inside a longer line still anchors the skill
+    out = analyzer.insert_skill("You are an agent. Your task is to: heat an egg.\nAct now.", "Use the microwave to heat it.",
+                                "alfworld").split("\n")
+    assert out[1] == analyzer.SKILL_PREFIX + "Use the microwave to heat it."
+    # multi-line skills become one line; empty skills change nothing
+    assert analyzer.insert_skill("Your task is to: x", "a\nb  c", "alfworld") == "Your task is to: x\n" + analyzer.SKILL_PREFIX + "a b c"
+    for empty in (None, "", "  \n "):
+        assert analyzer.insert_skill("Your task is to: x\nGo.", empty, "alfworld") == "Your task is to: x\nGo."
+
+
+# ----------------------------------------------------------------------------- scripted analysis
+
+def test_scripted_analysis_success_is_a_workflow():
+    plan = ["go to countertop 1", "go to countertop 2", "take apple 1 from countertop 2", "go to fridge 1",
+            "cool apple 1 with fridge 1", "go to diningtable 1", "put apple 1 in/on diningtable 1"]
+    out = analyzer.scripted_analysis(episode(True, STEPS, info={"expert_plan": plan}))
+    skill = out["episode_skill"]
+    assert "go to countertop 2 -> take apple 1 from countertop 2 -> go to fridge 1 -> cool apple 1" in skill
+    assert "go to countertop 1" not in skill                               # a detour, dropped
+    assert analyzer.parse_analysis(json.dumps(out)) == out
+
+
+def test_scripted_analysis_failure_is_an_avoidance_rule():
+    env = envs.make("sokoban")
+    _, info = env.reset(seed=4)
+    steps = [("a wall", "<action>up</action>", True, "up")] * 4 + [("a wall", "go up!!", False, "")] * 2
+    out = analyzer.scripted_analysis(episode(False, steps, task=env.task, env="sokoban",
+                                             info={**info, "max_steps": 6}))
+    summary, skill = out["episode_summary"], out["episode_skill"]
+    assert "2 of 6 responses were invalid" in summary and "'up' was repeated 4 times" in summary
+    assert "all 6 steps ran out" in summary
+    assert skill.startswith("Avoid this failure:") and "do not repeat 'up'" in skill
+    assert "key steps are:" in skill and info["expert_plan"][0] in skill
+    assert analyzer.parse_analysis(json.dumps(out)) == out
+    bare = analyzer.scripted_analysis(episode(False, STEPS[:1]))           # no plan, no visible problem
+    assert analyzer.parse_analysis(json.dumps(bare)) == bare
+
+
+# ----------------------------------------------------------------------------- the external analyzer
+
+class Server:
+    """A local OpenAI-compatible endpoint that plays a script: ("status", code) | ("sleep", s) | ("text", t)."""
+
+    def __init__(self, script):
+        self.script, self.requests = list(script), []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append((self.path, dict(self.headers), body))
+                kind, value = outer.script.pop(0) if outer.script else ("status", 500)
+                try:
+                    if kind == "sleep":
+                        time.sleep(value)
+                        kind, value = "text", GOOD
+                    if kind == "status":
+                        self.send_response(value)
+                        self.end_headers()
+                        self.wfile.write(b'{"error": "busy"}')
+                        return
+                    payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": value}}]})
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()
+                    self.wfile.write(payload.encode())
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_external_analyzer_errors_then_timeout_then_json(monkeypatch):
+    monkeypatch.setenv("SEED_TEST_KEY", "sk-secret-123")
+    server = Server([("status", 500), ("status", 503), ("sleep", 3.0), ("text", "Sorry, I cannot."),
+                     ("text", "```json\n" + GOOD + "\n```")])
+    try:
+        client = analyzer.ExternalAnalyzer(server.url, "glm-test", api_key_env="SEED_TEST_KEY", timeout=1.0,
+                                           retries=4, backoff=0.01, concurrency=2)
+        t0 = time.time()
+        out = client.annotate([episode(True, STEPS)], progress=False)
+        assert time.time() - t0 < 10
+    finally:
+        server.close()
+    assert out == [json.loads(GOOD)]
+    assert len(server.requests) == 5
+    path, headers, body = server.requests[0]
+    assert path == "/v1/chat/completions" and headers["Authorization"] == "Bearer sk-secret-123"
+    assert body["model"] == "glm-test" and body["temperature"] == 0
+    last = server.requests[-1][2]["messages"]                              # the corrective follow-up
+    assert last[-2] == {"role": "assistant", "content": "Sorry, I cannot."} and "could not be used" in last[-1]["content"]
+
+
+def test_external_analyzer_unreachable_names_the_url_never_the_key(monkeypatch, capsys):
+    monkeypatch.setenv("SEED_TEST_KEY", "sk-secret-123")
+    with socket.socket() as s:                                             # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = analyzer.ExternalAnalyzer(f"http://127.0.0.1:{port}/v1", "m", api_key_env="SEED_TEST_KEY",
+                                       timeout=0.2, retries=2, backoff=0.01)
+    with pytest.raises(RuntimeError) as err:
+        client.annotate([episode(False, STEPS)], progress=False)
+    msg = str(err.value)
+    assert f"http://127.0.0.1:{port}/v1/chat/completions" in msg and "3 attempts" in msg
+    assert "sk-secret" not in msg and "sk-secret" not in repr(client.__dict__)
+    assert "sk-secret" not in "".join(capsys.readouterr())
+    server = Server([("status", 401)])                                     # a refusal is not retried
+    try:
+        client = analyzer.ExternalAnalyzer(server.url, "m", api_key_env="SEED_TEST_KEY", timeout=10, retries=3)
+        with pytest.raises(RuntimeError, match="HTTP 401.*API key"):
+            client.chat([{"role": "user", "content": "hi"}])
+        assert len(server.requests) == 1
+    finally:
+        server.close()
+
+
+# ----------------------------------------------------------------------------- the skill library
+
+def test_skill_library_family_first_then_bm25(tmp_path):
+    lib = analyzer.SkillLibrary()
+    lib.add("alfworld", "heat", "heat some egg and put it in garbagecan", "Heat eggs in the microwave.")
+    lib.add("alfworld", "heat", "heat some apple and put it in fridge", "Heat apples in the microwave.")
+    lib.add("alfworld", "cool", "cool some egg and put it in garbagecan", "Cool eggs in the fridge.")
+    lib.add("sokoban", "room", "push the box onto the target", "Never push the box into a corner.")
+    lib.add("alfworld", "look", "look at apple under the desklamp", "")                  # empty: not kept
+    path = tmp_path / "lib" / "skills.jsonl"
+    lib.save(path)
+    lib = analyzer.SkillLibrary.load(path)
+    assert len(lib.entries) == 4
+    # same family wins even though the cool task shares more words; BM25 decides inside the family
+    assert lib.retrieve("alfworld", "heat", "cool some egg and put it in garbagecan") == "Heat eggs in the microwave."
+    assert lib.retrieve("alfworld", "heat", "heat some apple and put it in countertop") == "Heat apples in the microwave."
+    # unknown family: BM25 over all of the env's skills
+    assert lib.retrieve("alfworld", "pick2", "put two egg in garbagecan, cool them") == "Cool eggs in the fridge."
+    assert lib.retrieve("alfworld", "pick2", "zzz") is not None
+    assert lib.retrieve("webshop", "any", "buy a shirt") is None
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+        analyzer.SkillLibrary.load(tmp_path / "nowhere.jsonl")
