@@ -42,6 +42,7 @@ FAMILIES = {  # ALFRED task type (task folder prefix) -> family label used in th
     "pick_two_obj_and_place": "pick2",
 }
 SPLITS = ("train", "valid_seen", "valid_unseen")
+PACKAGE_CACHE = os.path.expanduser("~/.cache/alfworld")   # importing alfworld sets $ALFWORLD_DATA to this
 REPO_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "alfworld")
 HOW_TO_GET_GAMES = (
     "generate games offline with\n"
@@ -54,15 +55,17 @@ ACTION_TAG = re.compile(r"<action>(.*?)</action>", re.S | re.I)
 # ----------------------------------------------------------------------------- game files
 
 def find_data_dir(data_dir=None):
-    """The folder that holds `json_2.1.1/` (argument, else $ALFWORLD_DATA, else data/alfworld)."""
-    if data_dir is not None:
-        tried = [data_dir]
-    else:
-        tried = [d for d in (os.environ.get("ALFWORLD_DATA"), REPO_DATA) if d]
+    """The folder that holds `json_2.1.1/`: the argument, else $ALFWORLD_DATA, else data/alfworld.
+    An $ALFWORLD_DATA set on purpose must hold games (no silent fallback); the package's own default,
+    which importing alfworld puts there, is only tried."""
+    env_dir = os.environ.get("ALFWORLD_DATA")
+    if data_dir is None and env_dir and os.path.abspath(env_dir) != PACKAGE_CACHE:
+        data_dir = env_dir
+    tried = [data_dir] if data_dir is not None else [d for d in (env_dir, REPO_DATA) if d]
     for d in tried:
         if os.path.isdir(os.path.join(d, "json_2.1.1")):
             return os.path.abspath(d)
-    raise FileNotFoundError(f"no ALFWorld games: none of {tried} holds a json_2.1.1/ folder; {HOW_TO_GET_GAMES}")
+    raise FileNotFoundError(f"no ALFWorld games: no json_2.1.1/ folder in {' or '.join(tried)}; {HOW_TO_GET_GAMES}")
 
 
 def family_of(game_path):
@@ -116,6 +119,12 @@ def _fast_pddl2sas(domain, problem, verbose=False, optimize=False):
     feeds the planner expert (`policy_commands`), which this engine never asks for: the plain one
     serves both (half the cost of a reset)."""
     return _translate(domain, problem, verbose)
+
+
+def clear_caches():
+    """Forget cached game files, grammars and translations (for a process that rewrites game files)."""
+    for cache in (read_game, _game_logic, _translate, expert_plan_of, list_games):
+        cache.cache_clear()
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,7 +230,9 @@ def engine_step(engine, command, step):
 
 def play_expert(path, max_steps=50, engine=None):
     """Play the hand-coded expert from the start of a game; its plan if it wins within max_steps."""
-    engine = engine or make_engine()
+    global _PLANNING_ENGINE
+    if engine is None:
+        _PLANNING_ENGINE = engine = _PLANNING_ENGINE or make_engine()
     state, plan = engine_reset(engine, path), []
     while not state["won"] and len(plan) < max_steps:
         proposal = state["extra.expert_plan"]
@@ -232,6 +243,9 @@ def play_expert(path, max_steps=50, engine=None):
         if not ok and not state["won"]:
             return None
     return plan if state["won"] else None
+
+
+_PLANNING_ENGINE = None   # one engine (one planner-library copy) for plans of games that store none
 
 
 @functools.lru_cache(maxsize=1024)
@@ -272,7 +286,9 @@ class AlfWorldEnv(gym.Env):
     reward_scale = 10.0      # episode reward of a win
     invalid_penalty = 0.1    # subtracted per invalid step by the trainer (grpo.row_rewards)
 
-    def __init__(self, data_dir=None, split="train", history_length=5, max_steps=30, **unused):
+    def __init__(self, data_dir=None, split="train", history_length=5, max_steps=30):
+        if max_steps < 1 or history_length < 0:
+            raise ValueError(f"need max_steps >= 1 and history_length >= 0 (got {max_steps}, {history_length})")
         self.data_dir = find_data_dir(data_dir)
         self.split = split
         self.games = list_games(self.data_dir, split)
@@ -322,6 +338,11 @@ class AlfWorldEnv(gym.Env):
         self.done = terminated or truncated
         reward = self.reward_scale if self.won else 0.0
         return self.obs, reward, terminated, truncated, self._info(valid=bool(command), action=command)
+
+    def close(self):
+        """Drop the engine. (Its copy of the planner library stays loaded until the process ends:
+        unloading it with dlclose is not safe.)"""
+        self._engine, self._state = None, None
 
     # -- contract extras
 

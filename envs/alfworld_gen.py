@@ -306,13 +306,12 @@ def make_game(job):
         trial = f"trial_S{seed}_{index:05d}"
         path = write_game(out, split, spec, trial, seed=rng.getrandbits(31))
         plan = aw.play_expert(path, max_steps=max_expert_steps, engine=_ENGINE)
-        for cache in (aw.read_game, aw._game_logic, aw._translate):   # the file changes below / is dropped
-            cache.cache_clear()
+        aw.clear_caches()                       # the file is rewritten below or deleted
         if plan is None:
             shutil.rmtree(os.path.dirname(path))
             continue
-        game = aw.read_game(path)
-        aw.read_game.cache_clear()
+        with open(path) as f:
+            game = json.load(f)
         with open(path, "w") as f:
             json.dump({**game, "solvable": True, "walkthrough": plan}, f)
         return {"path": path, "split": split, "family": aw.FAMILIES[task_type], "scene": spec["scene"],

@@ -70,18 +70,18 @@ def test_real_game_expert_wins_in_16_steps(real_env):
     assert sys.argv[0] != "translate.py"                               # the PDDL translator's argv hack is undone
 
 
-def test_hostile_strings_are_invalid_and_change_nothing(real_env):
-    real_env.reset(seed=0)
-    admissible = list(real_env.admissible)
+def test_hostile_strings_are_invalid_and_change_nothing():
+    env = aw.AlfWorldEnv(data_dir=str(REAL), split="valid_seen", max_steps=1000)
+    env.reset(seed=0)
+    admissible = list(env.admissible)
     rng = random.Random(0)
     junk = ["".join(rng.choice("<>/actionthk \n\t\u00e9\u4e2d\U0001F600x") for _ in range(rng.randint(0, 300)))
             for _ in range(40)]
     for text in HOSTILE + junk:
-        obs, reward, terminated, truncated, info = real_env.step(text)
+        obs, reward, terminated, truncated, info = env.step(text)
         assert not info["valid"] and info["action"] == "" and reward == 0 and not info["won"], text
-        assert obs.startswith("Invalid action") and real_env.admissible == admissible
-        real_env.steps = 0                                             # keep the episode open for the next string
-    obs, _, _, _, info = real_env.step("<think>go</think><action>  Go To   MICROWAVE 1 </action>")
+        assert obs.startswith("Invalid action") and env.admissible == admissible and not (terminated or truncated)
+    obs, _, _, _, info = env.step("<think>go</think><action>  Go To   MICROWAVE 1 </action>")
     assert info["valid"] and info["action"] == "go to microwave 1" and "microwave 1" in obs
 
 
@@ -109,12 +109,19 @@ def test_truncation_and_steps_after_the_end(real_env):
     assert not info["valid"] and reward == 0 and truncated
 
 
-def test_missing_data_folder_says_how_to_get_games(tmp_path):
+def test_data_folder_choice_and_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as err:
         aw.AlfWorldEnv(data_dir=str(tmp_path / "nowhere"))
     assert "envs.alfworld_gen" in str(err.value) and "alfworld-download" in str(err.value)
-    with pytest.raises(ValueError):
-        aw.list_games(str(REAL), "test")
+    monkeypatch.setenv("ALFWORLD_DATA", str(REAL))
+    assert aw.find_data_dir() == str(REAL.resolve())
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path))                 # set on purpose, but empty: no fallback
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        aw.find_data_dir()
+    with pytest.raises(ValueError, match="split"):
+        aw.AlfWorldEnv(data_dir=str(REAL), split="test")
+    with pytest.raises(TypeError):
+        aw.AlfWorldEnv(data_dir=str(REAL), max_step=3)                 # a misspelt option is not ignored
 
 
 def test_family_labels():
