@@ -7,6 +7,7 @@ interface. Also here: the records every other file reads (Step, Episode) and the
 """
 import glob
 import importlib.util
+import logging
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -121,3 +122,278 @@ def chat_ids(tokenizer, messages):
         messages = [{"role": "user", "content": messages}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------- engines
+
+def _rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def ensure_process_group():
+    """vLLM's external launcher joins the trainer's process group. Under plain `python` or pytest
+    there is none, so make a single-process gloo group (free loopback port) and take the same path."""
+    if torch.distributed.is_initialized():
+        return
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+        os.environ.setdefault(key, value)
+    torch.distributed.init_process_group("gloo")
+
+
+def make_engine(kind, model_path, dtype="float32", seed=0, **kw):
+    """The rollout engine: "vllm" (in process, DESIGN section 5) or "hf" (transformers fallback).
+    The sampling seed is `seed + rank`, so ranks sample different episodes."""
+    seed = seed + _rank()
+    if kind == "vllm":
+        return VLLMEngine(model_path, dtype, seed, **kw)
+    if kind == "hf":
+        return HFEngine(model_path, dtype, seed, **kw)
+    raise ValueError(f"unknown engine kind {kind!r}; use 'vllm' or 'hf'")
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)  # DDP keeps the model in .module
+
+
+def _repack_lm_head(model):
+    # The CPU backend packs each Linear weight for its GEMM kernel after loading; a tied LM head
+    # shares the embedding tensor, which reload_weights updated, but keeps its stale packed copy.
+    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def load_weights_into_vllm(llm, named_tensors, tied):
+    """Copy the trainer's weights (HF names) into a running vLLM engine; the one platform switch."""
+    from vllm.platforms import current_platform
+    if current_platform.is_cpu():
+        # Plain load_weights leaves the CPU kernels' packed weights stale; reload_weights re-packs.
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        if tied:
+            llm.apply_model(_repack_lm_head)
+    else:
+        llm.apply_model(lambda model: model.load_weights(named_tensors))
+    llm.reset_prefix_cache()  # cached prompt blocks hold keys/values computed with the old weights
+
+
+class VLLMEngine:
+    """vLLM colocated with the trainer: one engine per rank, tensor parallel 1, external launcher."""
+
+    def __init__(self, model_path, dtype="float32", seed=0, max_model_len=4096, **llm_kw):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
+        # every in-place reload warns that rotary embeddings have no weights to load; they have none
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        ensure_process_group()
+        # The CPU worker replaces torch.set_num_threads with a no-op; the trainer shares this process.
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # or vLLM drops torch to 1 thread
+        from vllm import LLM
+        from vllm.platforms import current_platform
+        self.on_cpu = current_platform.is_cpu()
+        llm_kw.setdefault("enforce_eager", self.on_cpu)
+        llm_kw.setdefault("enable_sleep_mode", not self.on_cpu)
+        llm_kw.setdefault("enable_prefix_caching", True)
+        if not self.on_cpu:
+            llm_kw.setdefault("gpu_memory_utilization", 0.3)  # the trainer shares the GPU
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                       distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                       **llm_kw)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+        self.max_model_len = max_model_len
+        self.dtype = getattr(torch, dtype)
+        self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.asleep = False
+
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        """-> [(token_ids, logprobs)] prompt-major, len(prompts) * n. EOS included when it stopped there;
+        log-probs of the sampled tokens under the raw model distribution (vLLM's raw_logprobs)."""
+        from vllm import SamplingParams
+        if not prompt_ids_list:
+            return []
+        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                                detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids_list], params,
+                                 use_tqdm=False)
+        result = []
+        for out in outs:
+            for comp in out.outputs:
+                ids = list(comp.token_ids)
+                lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
+                result.append((ids, lps))
+        return result
+
+    def push_weights(self, model):
+        """After each optimizer step: the engine's weights become the trainer's (DESIGN section 5)."""
+        named = [(name, t.detach().to(self.dtype)) for name, t in _unwrap(model).state_dict().items()]
+        load_weights_into_vllm(self.llm, named, self.tied)
+
+    def sleep(self):
+        """Free the engine's GPU memory during the update (level 1: weights to host, KV dropped)."""
+        if not self.on_cpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+class HFEngine:
+    """transformers `generate` in batches, for machines where vLLM won't install. Same interface."""
+
+    def __init__(self, model_path, dtype="float32", seed=0, max_model_len=4096, batch_size=32,
+                 device="cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(device).eval()
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.eos = self.model.generation_config.eos_token_id or tok.eos_token_id
+        self.eos_ids = set(self.eos if isinstance(self.eos, list) else [self.eos])
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids)
+        self.max_model_len, self.batch_size, self.device = max_model_len, batch_size, torch.device(device)
+        with torch.random.fork_rng(devices=[]):  # own RNG stream: sampling leaves the trainer's alone
+            torch.manual_seed(seed)
+            self.rng = torch.get_rng_state()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        """-> [(token_ids, logprobs)] prompt-major; sampled at `temperature` (greedy at 0), cut after
+        EOS, no padding; log-probs of the sampled tokens under the raw model distribution."""
+        prompts = [list(ids) for ids in prompt_ids_list for _ in range(n)]
+        result = []
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.rng)
+            for i in range(0, len(prompts), self.batch_size):
+                result += self._generate_batch(prompts[i:i + self.batch_size], temperature, max_tokens)
+            self.rng = torch.get_rng_state()
+        return result
+
+    def _generate_batch(self, prompts, temperature, max_tokens):
+        from transformers import GenerationConfig
+        P = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), P), self.pad, dtype=torch.long)   # [rows, P] left-padded
+        mask = torch.zeros((len(prompts), P), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, P - len(p):] = torch.tensor(p)
+            mask[i, P - len(p):] = 1
+        sample = temperature > 0
+        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=sample, pad_token_id=self.pad,
+                                  eos_token_id=self.eos, temperature=temperature if sample else None,
+                                  top_k=0 if sample else None, top_p=1.0 if sample else None)
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                                  generation_config=config, output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[:, P:].cpu()                                          # [rows, T]
+        lp = torch.stack([torch.log_softmax(step.float().cpu(), dim=-1).gather(-1, new[:, t:t + 1])[:, 0]
+                          for t, step in enumerate(out.logits)], dim=1)           # [rows, T]
+        result = []
+        for row, row_lp in zip(new.tolist(), lp.tolist()):
+            end = next((k + 1 for k, t in enumerate(row) if t in self.eos_ids), len(row))
+            result.append((row[:end], row_lp[:end]))
+        return result
+
+    @torch.no_grad()
+    def push_weights(self, model):
+        self.model.load_state_dict(_unwrap(model).state_dict())
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+def _start(envs, tasks, group_size):
+    """Reset every env on its task; episode j*group_size+i plays tasks[j] (group j)."""
+    episodes, observations = [], []
+    for k, env in enumerate(envs):
+        j = k // group_size
+        obs, info = env.reset(seed=int(tasks[j]))
+        episodes.append(Episode(task_id=int(tasks[j]), group_id=j, env=env.name,
+                                task=info.get("task", env.task), family=info.get("family", env.family),
+                                info=dict(info)))
+        observations.append(obs)
+    return episodes, observations
+
+
+def _prompt(env, tokenizer, skill, limit):
+    """The actor prompt of this turn (skill inserted when given) and its ids, left-truncated to
+    `limit` tokens when too long (the caller counts it)."""
+    text = env.prompt()
+    if skill is not None:
+        import analyzer  # only the skill_grpo baseline puts a skill in the actor's context
+        text = analyzer.insert_skill(text, skill, env.name)
+    ids = chat_ids(tokenizer, text)
+    return text, ids[-limit:], len(ids) > limit
+
+
+def collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tokens=512, skills=None,
+            progress=True):
+    """Play len(tasks) * group_size episodes at once (Algorithm 1, "collect"); -> [Episode].
+    Every turn, one `generate` call for all live episodes; each env parses its own response."""
+    from tqdm import tqdm
+    if len(envs) != len(tasks) * group_size:
+        raise ValueError(f"collect needs len(tasks) * group_size = {len(tasks) * group_size} envs, "
+                         f"got {len(envs)}")
+    limit = engine.max_model_len - max_tokens  # prompt room left for a full response
+    if limit <= 0:
+        raise ValueError(f"max_tokens={max_tokens} leaves no room for a prompt in the engine's "
+                         f"max_model_len={engine.max_model_len}")
+    episodes, observations = _start(envs, tasks, group_size)
+    live, truncated_prompts = list(range(len(envs))), 0
+    bar = tqdm(total=max(env.max_steps for env in envs), desc="collect", unit="turn", disable=not progress)
+    while live:
+        prompts = [_prompt(envs[k], tokenizer, skills[k // group_size] if skills else None, limit)
+                   for k in live]
+        outs = engine.generate([ids for _, ids, _ in prompts], temperature, max_tokens)
+        still = []
+        for k, (text, ids, cut), (resp_ids, lps) in zip(live, prompts, outs):
+            env, ep = envs[k], episodes[k]
+            resp_text = tokenizer.decode(resp_ids, skip_special_tokens=True)  # exactly what the env gets
+            obs, reward, terminated, truncated, info = env.step(resp_text)
+            ep.steps.append(Step(prompt_text=text, prompt_ids=ids, response_ids=list(resp_ids),
+                                 response_text=resp_text, old_logprobs=[float(x) for x in lps],
+                                 observation=observations[k], action=info.get("action", ""),
+                                 valid=bool(info.get("valid", False)), reward=float(reward)))
+            ep.reward += float(reward)
+            ep.won = ep.won or bool(info.get("won", False))
+            if cut:
+                ep.info["truncated_prompts"] = ep.info.get("truncated_prompts", 0) + 1
+                truncated_prompts += 1
+            observations[k] = obs
+            if not (terminated or truncated or len(ep.steps) >= env.max_steps):
+                still.append(k)
+        live = still
+        bar.update(1)
+        bar.set_postfix(live=len(live), won=sum(ep.won for ep in episodes), cut=truncated_prompts)
+    bar.close()
+    if truncated_prompts:
+        print(f"[collect] {truncated_prompts} prompts were longer than max_model_len - max_tokens "
+              f"= {limit} tokens and lost their oldest tokens", flush=True)
+    return episodes
+
+
+def evaluate(engine, tokenizer, envs, task_ids, temperature=0.4, max_tokens=512):
+    """Success rate (overall, per family, macro over families) and mean length of one episode per
+    task, played by the plain policy (no skill) at the eval temperature, len(envs) tasks at a time."""
+    episodes = []
+    for i in range(0, len(task_ids), len(envs)):
+        chunk = list(task_ids[i:i + len(envs)])
+        episodes += collect(engine, tokenizer, envs[:len(chunk)], chunk, 1, temperature, max_tokens)
+    metrics = {"success": sum(ep.won for ep in episodes) / max(len(episodes), 1),
+               "length": sum(ep.length for ep in episodes) / max(len(episodes), 1)}
+    families = sorted({ep.family for ep in episodes if ep.family})
+    for fam in families:
+        group = [ep.won for ep in episodes if ep.family == fam]
+        metrics[f"success/{fam}"] = sum(group) / len(group)
+    per_family = [metrics[f"success/{fam}"] for fam in families]
+    metrics["success_macro"] = sum(per_family) / len(per_family) if per_family else metrics["success"]
+    metrics["episodes"] = episodes
+    return metrics

@@ -1,0 +1,210 @@
+"""Rollouts and engines (DESIGN sections 4-5): the vLLM engine's weights follow the trainer's,
+`collect` records are complete and consistent with both engines, ranks sample different episodes,
+and malformed model output becomes invalid steps, never an exception."""
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rollout
+from conftest import ToyEnv
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def trainer_logprobs(model, prompt, response):
+    """log-softmax of the trainer's float32 forward pass at the response tokens."""
+    ids = torch.tensor([prompt + response])                               # [1, P+R]
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1]                  # [R, vocab]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def max_diff(engine, model, prompt):
+    """Sample from the engine at temperature 1 and compare its log-probs to the trainer's."""
+    outs = engine.generate([prompt] * 2, 1.0, 12)
+    return max((trainer_logprobs(model, prompt, ids) - torch.tensor(lps)).abs().max().item()
+               for ids, lps in outs)
+
+
+def test_weight_sync(vllm_engine, model_path):
+    """float32: equal before an update, stale after an optimizer step without a push, equal after
+    push_weights. The prompt (> several KV blocks) is cached by the first call, so a push that left
+    the prefix cache or the packed LM head stale would fail the last check."""
+    model, tok, _ = rollout.load_model(model_path)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = rollout.chat_ids(tok, "List the rooms of a house and what each one is for. " * 30)
+    assert max_diff(vllm_engine, model, prompt) <= 1e-4
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.tensor([prompt])
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    assert max_diff(vllm_engine, model, prompt) > 0.1
+
+    vllm_engine.push_weights(model)
+    assert max_diff(vllm_engine, model, prompt) <= 1e-4
+
+    model.load_state_dict(original)  # the session's engine goes back to the base weights
+    vllm_engine.push_weights(model)
+    assert max_diff(vllm_engine, model, prompt) <= 1e-4
+
+
+def test_hf_engine_logprobs_and_push(hf_engine, model_path):
+    """The fallback's log-probs are the trainer's too (batched, left-padded), and a push copies weights."""
+    model, tok, _ = rollout.load_model(model_path)
+    prompts = [rollout.chat_ids(tok, "Name a fruit."), rollout.chat_ids(tok, "Count from one to five, please.")]
+    outs = hf_engine.generate(prompts, 1.0, 10, n=2)
+    assert len(outs) == 4
+    for (ids, lps), prompt in zip(outs, [prompts[0]] * 2 + [prompts[1]] * 2):
+        assert len(ids) == len(lps) > 0
+        assert (trainer_logprobs(model, prompt, ids) - torch.tensor(lps)).abs().max() <= 1e-3
+    with torch.no_grad():
+        model.model.norm.weight.mul_(0.5)
+    hf_engine.push_weights(model)
+    assert torch.equal(hf_engine.model.model.norm.weight, model.model.norm.weight)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)
+    hf_engine.push_weights(model)
+
+
+def test_greedy_is_deterministic_and_stops_at_eos(hf_engine, vllm_engine, tokenizer):
+    prompt = rollout.chat_ids(tokenizer, "Say yes.")
+    for engine in (hf_engine, vllm_engine):
+        (a, _), (b, _) = engine.generate([prompt, prompt], 0.0, 16)
+        assert a == b
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert eos not in a[:-1] and (a[-1] == eos or len(a) == 16)
+
+
+class CountingEngine:
+    """Counts generate calls of a real engine (one call per turn is part of the contract)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls, self.max_model_len = engine, 0, engine.max_model_len
+
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        self.calls += 1
+        return self.engine.generate(prompt_ids_list, temperature, max_tokens, n)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "hf"])
+def test_collect_records(kind, request, tokenizer):
+    engine = CountingEngine(request.getfixturevalue(f"{kind}_engine"))
+    tasks, group_size, max_steps = [0, 7], 2, 2
+    envs = [ToyEnv(max_steps=max_steps) for _ in range(len(tasks) * group_size)]
+    episodes = rollout.collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tokens=24)
+    assert len(episodes) == 4
+    assert engine.calls == max(ep.length for ep in episodes)
+    for k, (ep, env) in enumerate(zip(episodes, envs)):
+        assert ep.group_id == k // group_size and ep.task_id == tasks[k // group_size]
+        assert ep.env == "toy" and ep.family == env.family and ep.task == env.task
+        assert 1 <= ep.length <= max_steps
+        assert ep.won or ep.length == max_steps  # an episode only stops at a win or at max steps
+        assert ep.reward == sum(s.reward for s in ep.steps) == (10.0 if ep.won else 0.0)
+        assert [s.response_text for s in ep.steps] == env.received
+        for s in ep.steps:
+            assert s.response_text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            assert s.prompt_ids == rollout.chat_ids(tokenizer, s.prompt_text)
+            assert s.prompt_text.startswith("You are playing") and s.observation in s.prompt_text
+            assert len(s.old_logprobs) == len(s.response_ids) > 0
+            assert all(math.isfinite(x) and x <= 0 for x in s.old_logprobs)
+            assert s.valid == (s.action != "")
+    by_group = {}
+    for ep in episodes:
+        by_group.setdefault(ep.group_id, set()).add((ep.task_id, ep.task, ep.family))
+    assert all(len(v) == 1 for v in by_group.values()) and len(by_group) == len(tasks)
+
+
+class ScriptedEngine:
+    """Stands in for a model that writes given texts: `reply(prompt_text) -> str`. Used to feed the
+    rollout exact (adversarial or expert) responses; everything after generate is the real path."""
+
+    def __init__(self, tokenizer, reply, max_model_len=4096):
+        self.tok, self.reply, self.max_model_len = tokenizer, reply, max_model_len
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        out = []
+        for ids in prompt_ids_list:
+            for _ in range(n):
+                reply = self.reply(self.tok.decode(ids))
+                toks = reply if isinstance(reply, list) else self.tok.encode(reply, add_special_tokens=False)
+                out.append((toks + [self.eos], [-1.0] * (len(toks) + 1)))
+        return out
+
+
+def test_bad_output_becomes_invalid_steps(tokenizer):
+    rng = random.Random(0)
+    bad = ["", "x" * 10_000, "I would like to guess five.", "<action>guess 5</action> 日本語 😀",
+           "<action>guess 1</action><action>guess 2</action>", "<action>jump</action>", "<action>guess 5",
+           [rng.randrange(len(tokenizer)) for _ in range(50)]]   # random token ids, specials included
+    envs = [ToyEnv(max_steps=3) for _ in bad]
+    replies = {}
+
+    def reply(prompt_text):
+        k = len(replies)
+        replies[k] = bad[k % len(bad)]
+        return replies[k]
+
+    episodes = rollout.collect(ScriptedEngine(tokenizer, reply), tokenizer, envs, list(range(len(bad))), 1,
+                               progress=False)
+    assert all(ep.length == 3 and not ep.won for ep in episodes)
+    assert all(not s.valid and s.action == "" and s.reward == 0.0 for ep in episodes for s in ep.steps)
+    assert [len(s.response_text) for s in episodes[1].steps] == [10_000] * 3
+
+
+def test_long_prompts_are_left_truncated_and_counted(tokenizer):
+    engine = ScriptedEngine(tokenizer, lambda p: "<action>guess 1</action>", max_model_len=96)
+    envs = [ToyEnv(max_steps=2) for _ in range(2)]
+    episodes = rollout.collect(engine, tokenizer, envs, [4, 5], 1, max_tokens=16, progress=False)
+    for ep in episodes:
+        assert ep.info["truncated_prompts"] == ep.length == 2
+        for s in ep.steps:
+            assert s.prompt_ids == rollout.chat_ids(tokenizer, s.prompt_text)[-80:]
+    with pytest.raises(ValueError, match="max_model_len"):
+        rollout.collect(engine, tokenizer, envs, [4, 5], 1, max_tokens=96, progress=False)
+
+
+def test_evaluate_metrics(tokenizer):
+    """An expert (middle of the remaining range) wins every task; always guessing 1 wins only task 0."""
+    def expert(prompt_text):
+        line = [l for l in prompt_text.splitlines() if l.startswith("Current observation:")][-1]
+        lo, hi = (int(x) for x in line.rstrip(".").split("between ")[1].split(" and "))
+        return f"<think>halve the range</think><action>guess {(lo + hi) // 2}</action>"
+
+    envs = [ToyEnv(max_steps=4) for _ in range(4)]
+    tasks = list(range(9))
+    m = rollout.evaluate(ScriptedEngine(tokenizer, expert), tokenizer, envs, tasks)
+    assert m["success"] == m["success_macro"] == m["success/low"] == m["success/high"] == 1.0
+    assert len(m["episodes"]) == 9 and 1 <= m["length"] <= 4
+    m = rollout.evaluate(ScriptedEngine(tokenizer, lambda p: "<action>guess 1</action>"), tokenizer, envs, tasks)
+    assert m["success/low"] == 0.25 and m["success/high"] == 0.0
+    assert m["success"] == pytest.approx(1 / 9) and m["success_macro"] == pytest.approx(0.125)
+    assert m["length"] == pytest.approx((1 + 8 * 4) / 9)
+
+
+def test_two_ranks_sample_different_episodes(tmp_path):
+    """torchrun, 2 ranks, gloo, one in-process vLLM engine per rank, same base seed."""
+    out = tmp_path / "ranks.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = REPO
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           os.path.join(REPO, "tests", "rollout_ranks.py"), str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["groups"] == [0, 0, 1, 1] for r in ranks)
+    assert all(all(all(ok) for ok in r["lengths"]) for r in ranks)
+    assert ranks[0]["texts"] != ranks[1]["texts"]
