@@ -86,8 +86,9 @@ def list_games(data_dir, split):
             continue
         if not os.path.exists(os.path.join(os.path.dirname(path), "traj_data.json")):
             continue
-        if read_game(path).get("solvable", True) is False:
-            continue
+        with open(path) as f:
+            if '"solvable": false' in f.read():          # marked unsolvable by alfworld-generate
+                continue
         games.append(path)
     if not games:
         raise FileNotFoundError(f"no playable games in {os.path.join(data_dir, 'json_2.1.1', split)}; {HOW_TO_GET_GAMES}")
@@ -210,8 +211,10 @@ def _expert_rng(step):
 
 
 def engine_reset(engine, path):
+    """Start a game from its initial state (loading it first unless it is the one already loaded)."""
     with _expert_rng(0):
-        engine.load(path)
+        if getattr(engine, "gamefile", None) != path:
+            engine.load(path)
         return engine.reset()
 
 
@@ -297,7 +300,7 @@ class AlfWorldEnv(gym.Env):
         self.max_steps = max_steps
         self.observation_space = gym.spaces.Text(max_length=1_000_000, charset=string.printable)
         self.action_space = gym.spaces.Text(max_length=1_000_000, charset=string.printable)
-        self._engine, self._loaded = None, None
+        self._engine = None
         self.task, self.family, self.task_id, self.game = "", "", None, None
         self._state = None
 

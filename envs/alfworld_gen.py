@@ -75,7 +75,7 @@ def load_room(scene):
     present = {r[0] for r in receptacles}
     missing = sorted(c for c in classes & static if c not in present)   # e.g. StoveBurner, Toaster, Toilet
     return {"scene": scene, "type": room_type(scene), "receptacles": receptacles, "missing": missing,
-            "objects": sorted(classes & pickupable())}
+            "objects": sorted(classes & pickupable()), "lamps": sorted(classes & set(LAMPS))}
 
 
 def pickupable():
@@ -279,13 +279,8 @@ _ROOMS = None
 def all_rooms():
     global _ROOMS
     if _ROOMS is None:
-        C, _, _, layouts = package()
-        _ROOMS = {}
-        for scene in sorted(C.TRAIN_SCENE_NUMBERS + C.TEST_SCENE_NUMBERS):
-            room = load_room(scene)
-            with open(os.path.join(layouts, f"FloorPlan{scene}-objects.json")) as f:
-                room["lamps"] = sorted(set(json.load(f)) & set(LAMPS))
-            _ROOMS[scene] = room
+        C = package()[0]
+        _ROOMS = {scene: load_room(scene) for scene in sorted(C.TRAIN_SCENE_NUMBERS + C.TEST_SCENE_NUMBERS)}
     return _ROOMS
 
 
@@ -309,6 +304,10 @@ def make_game(job):
         aw.clear_caches()                       # the file is rewritten below or deleted
         if plan is None:
             shutil.rmtree(os.path.dirname(path))
+            try:
+                os.rmdir(os.path.dirname(os.path.dirname(path)))     # the task folder, if now empty
+            except OSError:
+                pass
             continue
         with open(path) as f:
             game = json.load(f)
@@ -335,7 +334,7 @@ def generate(out, counts, seed=0, max_expert_steps=30, workers=None, attempts=40
             for r in results:
                 records.append(r)
                 bar.update(1)
-                bar.set_postfix(split=split, failed=sum(x["path"] is None for x in records))
+                bar.set_postfix(split=split, failed=sum(x["path"] is None for x in records), refresh=False)
             if split == "train":
                 train_combos = frozenset(r["combo"] for r in records if r["path"])
     finally:
