@@ -30,7 +30,7 @@ TURN_LINE = "Now it's your turn"     # opens the turn instruction in verl-agent 
 SKILL_PREFIX = "Skill from past experience: "
 MAX_SKILL_CHARS = 600                # a longer skill is cut at a sentence or word boundary
 PLACEHOLDERS = {"", "none", "n/a", "na", "null", "skill", "...", "todo", "tbd", "unknown", "no skill",
-                "<the skill>", "<one short skill>", "episode_skill"}
+                "the skill", "episode_skill"}
 
 
 # ----------------------------------------------------------------------------- the analysis prompt
@@ -126,7 +126,8 @@ def _parse(text):
         if skill is None:
             return None, '"episode_skill" must be a string'
         bare = skill.strip(" .\"'<>").lower()
-        if bare in PLACEHOLDERS or len(bare) < 12 or len(bare.split()) < 3 or "<the skill>" in skill.lower():
+        echo = skill.startswith("<") and skill.endswith(">")              # the prompt's own placeholder
+        if echo or bare in PLACEHOLDERS or len(bare) < 12 or len(bare.split()) < 3:
             return None, '"episode_skill" was empty or trivial; write a real, specific skill'
         if sum(c.isalpha() for c in skill) < len(skill) / 2:
             return None, '"episode_skill" must be plain English sentences'
@@ -237,23 +238,24 @@ def _key_steps(plan, cap=12):
     return out if len(out) <= cap else out[:cap - 1] + ["...", out[-1]]
 
 
-def scripted_analysis(episode):
+def scripted_analysis(episode, max_steps=None):
     """Stage-1 analysis written from the env's own knowledge, no model: a workflow from
     episode.info["expert_plan"] for a success; for a failure, an avoidance rule from what went wrong
-    (invalid actions, repeated actions, running out of steps) plus the expert's key steps.
+    (invalid actions, repeated actions, running out of steps: pass the env's `max_steps`, else
+    episode.info["max_steps"] is used when present) plus the expert's key steps.
     -> {"episode_summary", "episode_skill"}."""
     ep, plan = episode, _key_steps(episode.info.get("expert_plan") or [])
-    route = " -> ".join(plan)
+    route, task = " -> ".join(plan), episode.task.strip().rstrip(".")
     if ep.won:
-        summary = f"The agent completed the task '{ep.task}' in {ep.length} steps."
-        skill = (f"For tasks like '{ep.task}', follow this workflow: {route}." if plan else
-                 f"For tasks like '{ep.task}', repeat what worked: "
+        summary = f"The agent completed the task '{task}' in {ep.length} steps."
+        skill = (f"For tasks like '{task}', follow this workflow: {route}." if plan else
+                 f"For tasks like '{task}', repeat what worked: "
                  + " -> ".join(_key_steps([s.action for s in ep.steps if s.valid])) + ".")
         return {"episode_summary": summary, "episode_skill": skill}
     invalid = [s for s in ep.steps if not s.valid]
     acts = Counter(s.action for s in ep.steps if s.valid and s.action)
     loop = next(((a, k) for a, k in acts.most_common(1) if k >= 3), None)
-    max_steps = ep.info.get("max_steps")
+    max_steps = max_steps or ep.info.get("max_steps")
     problems, rules = [], []
     if invalid:
         problems.append(f"{len(invalid)} of {ep.length} responses were invalid actions")
@@ -267,7 +269,7 @@ def scripted_analysis(episode):
     if not problems:
         problems.append(f"the goal was not reached in {ep.length} steps")
         rules.append("check that each action brings you closer to the goal")
-    summary = f"The agent failed the task '{ep.task}': " + "; ".join(problems) + "."
+    summary = f"The agent failed the task '{task}': " + "; ".join(problems) + "."
     skill = "Avoid this failure: " + "; ".join(rules) + "."
     if plan:
         skill += f" Instead, the key steps are: {route}."

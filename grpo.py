@@ -1,5 +1,5 @@
-"""The RL half of the SEED objective: GRPO with per-step rows (Section 3.3, Eq. 1-4) and the joint loss
-(Section 3.4, Eq. 7), as restated in DESIGN section 2.
+"""The RL half of the SEED objective: GRPO with per-step rows (Section 3.4, Eq. 1-4) and the joint loss
+(Eq. 7), as restated in DESIGN section 2.
 
 Every per-token tensor is RESPONSE-ALIGNED: `[rows, R]`, R = the longest response in the batch, column k of
 row i is response token k of row i, and `mask[i, k] = 1` for k < len(response i). A row is one step of an

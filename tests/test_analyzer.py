@@ -96,6 +96,7 @@ def test_parse_analysis_accepts(text):
     '{"episode_summary": "ok", "episode_skill": ""}',
     '{"episode_summary": "ok", "episode_skill": "N/A"}',
     '{"episode_summary": "ok", "episode_skill": "<the skill>"}',
+    '{"episode_summary": "<one or two sentences>", "episode_skill": "<one short skill, a full sentence addressed to the agent>"}',
     '{"episode_summary": "ok", "episode_skill": "Be careful"}',                    # trivial: two words
     '{"episode_summary": "ok", "episode_skill": 42}',
     '{"episode_summary": "ok", "episode_skill": null}',
@@ -227,8 +228,7 @@ def test_scripted_analysis_failure_is_an_avoidance_rule():
     env = envs.make("sokoban")
     _, info = env.reset(seed=4)
     steps = [("a wall", "<action>up</action>", True, "up")] * 4 + [("a wall", "go up!!", False, "")] * 2
-    out = analyzer.scripted_analysis(episode(False, steps, task=env.task, env="sokoban",
-                                             info={**info, "max_steps": 6}))
+    out = analyzer.scripted_analysis(episode(False, steps, task=env.task, env="sokoban", info=info), max_steps=6)
     summary, skill = out["episode_summary"], out["episode_skill"]
     assert "2 of 6 responses were invalid" in summary and "'up' was repeated 4 times" in summary
     assert "all 6 steps ran out" in summary
