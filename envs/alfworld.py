@@ -13,9 +13,10 @@ with `game.tw-pddl` and `traj_data.json`: the ones `alfworld-download` fetches, 
 of its sorted game list; the family comes from the task folder name (pick, look, clean, heat, cool,
 pick2), and success per family plus their macro average are the paper's ALFWorld metrics.
 
-The agent answers `<think>...</think><action>...</action>`; the action must be one of the admissible
-commands (compared after collapsing whitespace and lower-casing). Anything else is an invalid step:
-the game does not move, the observation says what was wrong. A win gives `reward_scale` and ends the
+The agent answers `<think>...</think><action>...</action>`; exactly one action block, whose text must
+be one of the admissible commands (compared after collapsing whitespace and lower-casing) and ASCII
+(a response with CJK text is invalid, as in verl-agent; the think block is asked for, not enforced).
+Anything else is an invalid step: the game does not move, the observation says what was wrong. A win gives `reward_scale` and ends the
 episode; `max_steps` steps truncate it.
 """
 import contextlib
@@ -264,10 +265,14 @@ def parse_action(response, admissible):
     """Raw model response -> (admissible command, "") or ("", why it is invalid). Never raises."""
     if not isinstance(response, str):
         return "", "the response is not text"
-    if len(re.findall(r"<action>", response, re.I)) != 1 or len(ACTION_TAG.findall(response)) != 1:
-        n = len(re.findall(r"<action>", response, re.I))
-        return "", "no <action>...</action> block" if n == 0 else f"{n} <action> tags; give exactly one action"
-    text = ACTION_TAG.search(response).group(1)
+    opened, blocks = len(re.findall(r"<action>", response, re.I)), ACTION_TAG.findall(response)
+    if opened == 0:
+        return "", "no <action>...</action> block"
+    if opened > 1 or len(blocks) > 1:
+        return "", f"{opened} <action> tags; give exactly one action"
+    if not blocks:
+        return "", "the <action> tag is never closed"
+    text = blocks[0]
     if CJK.search(response):
         return "", "the response contains CJK characters"
     if not text.isascii() or any(c not in string.printable for c in text):
@@ -300,7 +305,7 @@ class AlfWorldEnv(gym.Env):
         self.max_steps = max_steps
         self.observation_space = gym.spaces.Text(max_length=1_000_000, charset=string.printable)
         self.action_space = gym.spaces.Text(max_length=1_000_000, charset=string.printable)
-        self._engine = None
+        self._engine, self._expert_ok = None, False
         self.task, self.family, self.task_id, self.game = "", "", None, None
         self._state = None
 
