@@ -196,7 +196,7 @@ def object_id(cls, receptacle, rng, taken):
 def problem_text(spec, name):
     """The PDDL problem in the layout of ALFWorld's initial_state.pddl files."""
     C, G, _, _ = package()
-    ability = {"Cleanable": "cleanable", "Heatable": "heatable", "Coolable": "coolable", "Sliceable": "sliceable"}
+    predicate = {"Cleanable": "cleanable", "Heatable": "heatable", "Coolable": "coolable", "Sliceable": "sliceable"}
     look = spec["task_type"] == "look_at_obj_in_light"
     receptacle_types = sorted(set(C.VAL_RECEPTACLE_OBJECTS) - set(C.MOVABLE_RECEPTACLES))
     object_types = sorted(set(C.OBJECTS) - set(receptacle_types))
@@ -212,7 +212,7 @@ def problem_text(spec, name):
         facts.append(f"(pickupable {o})")
         if cls in C.MOVABLE_RECEPTACLES:
             facts.append(f"(isReceptacleObject {o})")
-        facts += [f"({pred} {o})" for ab, pred in ability.items() if cls in C.VAL_ACTION_OBJECTS[ab]]
+        facts += [f"({pred} {o})" for ab, pred in predicate.items() if cls in C.VAL_ACTION_OBJECTS[ab]]
     for rcls, rid, loc in spec["receptacles"]:
         facts += [f"(receptacleType {mangle(rid)} {rcls}Type)", f"(receptacleAtLocation {mangle(rid)} {mangle(loc)})"]
         if rcls in C.OPENABLE_CLASS_LIST:
