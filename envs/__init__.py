@@ -45,3 +45,13 @@ def task_line(name):
     """The prompt-line prefix after which `analyzer.insert_skill` puts the skill block."""
     return {"alfworld": "Your task is to:", "sokoban": "Your task is to:", "ezpoints": "Your task is to:",
             "search": "Your question:", "webshop": "Your task is to:"}[name]
+
+
+def action_text(text):
+    """The stripped text inside exactly one <action>...</action>, or None when the tag is missing,
+    repeated, unclosed or holds non-ASCII text. Never raises: any model output is fine input."""
+    if not isinstance(text, str) or text.count("<action>") != 1 or text.count("</action>") != 1:
+        return None
+    start, end = text.index("<action>") + len("<action>"), text.index("</action>")
+    action = text[start:end].strip() if end >= start else ""
+    return action if action and action.isascii() else None

@@ -166,15 +166,8 @@ def render_rgb(walls, target, box, player, scale=16):
 def parse_action(text, admissible):
     """The text inside exactly one <action>...</action>, lowercased; None when missing, repeated,
     non-ASCII or not admissible."""
-    if not isinstance(text, str) or text.count("<action>") != 1 or text.count("</action>") != 1:
-        return None
-    start, end = text.index("<action>") + len("<action>"), text.index("</action>")
-    if end < start:
-        return None
-    action = text[start:end].strip().lower()
-    if not action.isascii() or action not in admissible:
-        return None
-    return action
+    action = (envs.action_text(text) or "").lower()
+    return action if action in admissible else None
 
 
 # ----------------------------------------------------------------------------- env

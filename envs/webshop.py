@@ -50,12 +50,7 @@ def official_env(num_products=None, human_goals=True, session_prefix=""):
 
 def parse_action(text):
     """-> "search[...]" or "click[...]" from exactly one <action>...</action>, else None."""
-    if not isinstance(text, str) or text.count("<action>") != 1 or text.count("</action>") != 1:
-        return None
-    start, end = text.index("<action>") + len("<action>"), text.index("</action>")
-    if end < start:
-        return None
-    m = ACTION_RE.match(text[start:end].strip())
+    m = ACTION_RE.match(envs.action_text(text) or "")
     if m is None or not m.group(2).strip() or not m.group(2).isascii():
         return None
     return f"{m.group(1)}[{m.group(2).strip()}]"
