@@ -257,21 +257,19 @@ class HFEngine:
         self.eos_ids = set(self.eos if isinstance(self.eos, list) else [self.eos])
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids)
         self.max_model_len, self.batch_size, self.device = max_model_len, batch_size, torch.device(device)
-        with torch.random.fork_rng(devices=[]):  # own RNG stream: sampling leaves the trainer's alone
-            torch.manual_seed(seed)
-            self.rng = torch.get_rng_state()
+        self.seed, self.calls = seed, 0
 
     @torch.no_grad()
     def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
         """-> [(token_ids, logprobs)] prompt-major; sampled at `temperature` (greedy at 0), cut after
         EOS, no padding; log-probs of the sampled tokens under the raw model distribution."""
         prompts = [list(ids) for ids in prompt_ids_list for _ in range(n)]
-        result = []
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(self.rng)
+        result, self.calls = [], self.calls + 1
+        # own seeded stream per call: reproducible, and the trainer's RNG state is left untouched
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.seed * 1_000_003 + self.calls)
             for i in range(0, len(prompts), self.batch_size):
                 result += self._generate_batch(prompts[i:i + self.batch_size], temperature, max_tokens)
-            self.rng = torch.get_rng_state()
         return result
 
     def _generate_batch(self, prompts, temperature, max_tokens):
