@@ -161,8 +161,9 @@ def _unwrap(model):
 
 
 def _repack_lm_head(model):
-    # The CPU backend packs each Linear weight for its GEMM kernel after loading; a tied LM head
-    # shares the embedding tensor, which reload_weights updated, but keeps its stale packed copy.
+    # The CPU backend prepares each Linear weight for its GEMM kernel after loading (a packed copy
+    # for the AMX/bf16 kernels, a oneDNN handle otherwise). A tied LM head shares the embedding
+    # tensor, which reload_weights refreshed, but is not itself reloaded: prepare it again.
     model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
@@ -170,7 +171,8 @@ def load_weights_into_vllm(llm, named_tensors, tied):
     """Copy the trainer's weights (HF names) into a running vLLM engine; the one platform switch."""
     from vllm.platforms import current_platform
     if current_platform.is_cpu():
-        # Plain load_weights leaves the CPU kernels' packed weights stale; reload_weights re-packs.
+        # Plain model.load_weights fails here (the prepared CPU weights lost their weight_loader);
+        # reload_weights rebuilds each layer from checkpoint-format tensors and prepares it again.
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if tied:
             llm.apply_model(_repack_lm_head)
@@ -199,11 +201,13 @@ class VLLMEngine:
         llm_kw.setdefault("enable_prefix_caching", True)
         if not self.on_cpu:
             llm_kw.setdefault("gpu_memory_utilization", 0.3)  # the trainer shares the GPU
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                       **llm_kw)
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
+        try:
+            self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                           distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                           **llm_kw)
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(num_threads)
         self.max_model_len = max_model_len
         self.dtype = getattr(torch, dtype)
         self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
