@@ -132,17 +132,15 @@ def _rank():
 
 def ensure_process_group():
     """vLLM's external launcher joins the trainer's process group. Under plain `python` or pytest
-    there is none, so make a single-process gloo group (free loopback port) and take the same path."""
+    there is none, so make a single-process gloo group (free loopback port) and take the same path.
+    Nothing goes into os.environ: child processes (torchrun, scripts) must not inherit a rank."""
     if torch.distributed.is_initialized():
         return
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-                           WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
-        os.environ.setdefault(key, value)
-    torch.distributed.init_process_group("gloo")
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def make_engine(kind, model_path, dtype="float32", seed=0, **kw):
@@ -201,11 +199,18 @@ class VLLMEngine:
         llm_kw.setdefault("enable_prefix_caching", True)
         if not self.on_cpu:
             llm_kw.setdefault("gpu_memory_utilization", 0.3)  # the trainer shares the GPU
+        # the external launcher reads the rank from the environment (torchrun sets it; plain python not)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        added = {k: str(v) for k, v in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world).items()
+                 if k not in os.environ}
+        os.environ.update(added)
         try:
             self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                            **llm_kw)
         finally:
+            for k in added:
+                del os.environ[k]
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(num_threads)
         self.max_model_len = max_model_len

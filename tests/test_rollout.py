@@ -227,3 +227,8 @@ def test_collect_with_skills_on_a_real_env(vllm_engine, tokenizer):
             assert (skill in s.prompt_text) == (ep.group_id == 0)
             assert s.prompt_ids == rollout.chat_ids(tokenizer, s.prompt_text)
             assert s.response_text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
+
+
+def test_engine_leaves_no_rank_in_the_environment(vllm_engine):
+    """Subprocesses started later (torchrun, scripts) must not inherit a rank from the test process."""
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
