@@ -35,6 +35,63 @@ setup() {
   echo "[setup] done in $((SECONDS - t0)) s" >&2
 }
 
+# ----------------------------------------------------------------------------- recipes
+
+# The embedded run: SmolLM2-135M on generated ALFWorld games, Stage 1 with the scripted analyzer, then a
+# short Stage 2 of SEED (about 15 minutes on 2 cores). Running it again continues / reuses what is there.
+demo() {
+  export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+  local t0=$SECONDS
+  if [ ! -d data/alfworld/json_2.1.1 ] && [ -z "${ALFWORLD_DATA:-}" ]; then
+    echo "[demo] generating ALFWorld games into data/alfworld" >&2
+    "$PY" -m envs.alfworld_gen --out data/alfworld --train 24 --valid_seen 6 --valid_unseen 6 --seed 0
+  fi
+  if [ ! -f runs/demo-sft/stage1.json ]; then
+    echo "[demo] Stage 1: collect with the base model, scripted analyses, fine-tune the analyzer" >&2
+    "$PY" sft.py --env alfworld --model smollm2-135m --out runs/demo-sft \
+      --tasks 8 --k0 2 --max_steps 6 --history_length 2 --max_tokens 64 \
+      --epochs 3 --lr 5e-5 --batch_size 4 --micro_batch_size 2 "$@"
+  fi
+  echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD)" >&2
+  "$PY" seed.py --env alfworld --model smollm2-135m --init runs/demo-sft --algo seed --out runs/demo-seed \
+    --resume --updates 4 --tasks_per_update 2 --group_size 4 --max_steps 6 --history_length 2 \
+    --max_tokens 64 --analyzer_max_tokens 160 --lr 1e-5 --micro_batch_size 4 \
+    --eval_every 2 --eval_tasks 3 --save_every 1 "$@"
+  echo
+  echo "[demo] finished in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
+  echo "[demo] curves:      runs/demo-seed/curves.png"
+  echo "[demo] metrics:     runs/demo-seed/metrics.jsonl (one line per update)"
+  echo "[demo] episodes:    runs/demo-seed/episodes/ (with the analyzer's skills)"
+  echo "[demo] checkpoint:  runs/demo-seed/checkpoint (Stage 1: runs/demo-sft)"
+}
+
+# The paper's recipe for one benchmark on GPUs: Stage 1 then Stage 2 (150 updates) with the hyperparameters
+# of DESIGN section 3 (seed.py applies the env's column). Override with MODEL, NGPU, ANALYZER_URL /
+# ANALYZER_MODEL (key in $SEED_ANALYZER_KEY), DATA_DIR, and extra seed.py flags after the env name.
+recipe() {
+  local env=$1; shift
+  local model="${MODEL:-Qwen/Qwen2.5-7B-Instruct}" ngpu="${NGPU:-8}"
+  local run=(torchrun --standalone --nproc_per_node="$ngpu")
+  local data=() annot=() shard=()
+  [ -n "${DATA_DIR:-}" ] && data=(--data_dir "$DATA_DIR")
+  [ -n "${ANALYZER_URL:-}" ] && annot=(--analyzer_url "$ANALYZER_URL" --analyzer_model "${ANALYZER_MODEL:?set ANALYZER_MODEL}")
+  case "$model" in *7B*|*7b*|*8B*|*8b*) shard=(--fsdp --gradient_checkpointing) ;; esac
+  if [ "$env" = webshop ] && [ -z "${ANALYZER_URL:-}" ]; then
+    echo "WebShop's Stage 1 needs an external analyzer: set ANALYZER_URL and ANALYZER_MODEL" >&2; exit 2
+  fi
+  if [ "$env" = search ]; then   # the BM25 retriever server (Search-R1 protocol) on loopback
+    local corpus="${CORPUS:-envs/data/search_qa/corpus.jsonl}"
+    "$PY" -m envs.retriever --corpus "$corpus" --port 8000 &
+    local rpid=$!
+    trap 'kill $rpid 2>/dev/null' EXIT
+    for _ in $(seq 600); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+  fi
+  PATH="$VENV/bin:$PATH" "${run[@]}" sft.py --env "$env" --model "$model" --out "runs/sft-$env" \
+    "${data[@]}" "${annot[@]}" "${shard[@]}"
+  PATH="$VENV/bin:$PATH" "${run[@]}" seed.py --env "$env" --model "$model" --init "runs/sft-$env" \
+    --algo seed --out "runs/seed-$env" --updates 150 --resume "${data[@]}" "${shard[@]}" "$@"
+}
+
 cmd="${1:-demo}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -45,7 +102,10 @@ case "$cmd" in
     exec "$PY" -m pytest tests -q "$@" ;;
   demo)
     setup
-    exec "$PY" demo.py "$@" ;;
+    demo "$@" ;;
+  alfworld|webshop|search|sokoban|ezpoints)
+    setup
+    recipe "$cmd" "$@" ;;
   *)
     echo "unknown command '$cmd'; use: test | setup | (nothing) | alfworld | webshop | search | sokoban | ezpoints" >&2
     exit 2 ;;

@@ -1,0 +1,818 @@
+"""SEED Stage 2: the RL loop of Algorithm 1 (Section 3; Eq. 1-7), one update at a time.
+
+    for update u = 0 .. updates-1:
+        tasks      <- B tasks from the data-order RNG; each rank plays its share, N episodes per task
+        episodes   <- collect(pi_old)                                  # Section 3.1
+        skills     <- analyze(pi_old, episodes)                        # Section 3.2 (same snapshot, greedy)
+        A          <- group advantages of the step rows                # Eq. 1-2
+        lp_ref, lp_old <- one no-grad pass each over the rows
+        lp_skill   <- rescore(pi_old, rows, skill inserted)            # Section 3.3
+        for each mini-batch:  L = L_pg + kl_coef L_kl - ent_coef H + lambda_opd L_opd     (Eq. 3-7)
+        AdamW step; push the new weights into the rollout engine (pi_old <- pi_theta)
+
+Baselines are switches on the same loop (`--algo`): grpo (no analyzer, no OPD), skill_grpo (library skill
+in the actor's context), skill_prompt (frozen model, library skill only at evaluation), static_skills (OPD
+with library skills instead of the live analyzer), opsd / grpo_opsd (ungated self-distillation, without /
+with GRPO). `--init ""` is the no-SFT ablation. Runs: `torchrun --nproc_per_node=8 seed.py ...` (DDP, or
+FSDP2 with --fsdp) or plain `python seed.py ...`; everything lands in `runs/<name>/` (DESIGN section 8).
+"""
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import analyzer
+import envs
+import grpo
+import opd
+import rollout
+
+ALGOS = ("seed", "grpo", "skill_grpo", "skill_prompt", "static_skills", "opsd", "grpo_opsd")
+LIVE_ANALYZER = ("seed", "opsd", "grpo_opsd")          # skills from the live analyzer (the snapshot itself)
+LIBRARY = ("skill_grpo", "skill_prompt", "static_skills")   # skills from the Stage-1 skill library
+DISTILL = ("seed", "static_skills", "opsd", "grpo_opsd")     # an OPD / OPSD term in the loss
+EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",), "search": ("test",),
+               "sokoban": ("test",), "ezpoints": ("test",)}
+SKILL_FILE = "skills.jsonl"    # the skill library that sft.py writes next to its checkpoint
+
+
+@dataclass
+class Config:
+    # -- run
+    env: str = "alfworld"              # benchmark: alfworld | webshop | search | sokoban | ezpoints
+    model: str = "smollm2-135m"        # base model: "smollm2-135m" (embedded), a local folder or a cached HF name
+    init: str = ""                     # Stage-1 checkpoint (sft.py --out); "" = the no_sft ablation (RL from --model)
+    algo: str = "seed"                 # seed | grpo | skill_grpo | skill_prompt | static_skills | opsd | grpo_opsd
+    out: str = ""                      # run folder ("" = runs/<algo>-<env>)
+    resume: bool = False               # continue the run in --out from its last checkpoint
+    seed: int = 0                      # seed of everything (rank r samples with seed + r)
+    updates: int = 150                 # RL updates (the paper trains 150)
+    # -- tasks and episodes (DESIGN section 3, one column per env)
+    tasks_per_update: int = 16         # B: tasks per update, over all ranks
+    group_size: int = 8                # N: episodes per task (a GRPO group)
+    max_steps: int = 30                # env steps per episode
+    history_length: int = 5            # past (observation, action) pairs in the actor prompt
+    max_prompt_tokens: int = 2048      # longest actor prompt the engine accepts (its context = this + max_tokens)
+    max_tokens: int = 512              # response tokens per turn
+    temperature: float = 1.0           # rollout temperature
+    data_dir: str = ""                 # env data folder ("" = the env's default: data/alfworld, envs/data/...)
+    retriever_url: str = "http://127.0.0.1:8000/retrieve"   # search QA retriever (Search-R1 protocol)
+    # -- engine and model
+    engine: str = "vllm"               # rollout engine: vllm | hf (the transformers fallback)
+    dtype: str = "auto"                # engine dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+    fsdp: bool = False                 # shard the policy and reference with FSDP2 (fully_shard) instead of DDP
+    gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
+    # -- analyzer (Section 3.2)
+    analyzer_max_tokens: int = 256     # tokens of the analysis JSON
+    analyzer_retries: int = 2          # greedy re-asks on a JSON parse failure
+    skill_library: str = ""            # Stage-1 skill library ("" = <init>/skills.jsonl)
+    # -- objective (Eq. 2-7)
+    lr: float = 1e-6                   # AdamW learning rate, constant
+    weight_decay: float = 0.01         # AdamW weight decay
+    grad_clip: float = 1.0             # max global grad norm
+    mini_batch_size: int = 256         # step rows per optimizer step, over all ranks (one pass over the batch)
+    micro_batch_size: int = 8          # rows per forward pass on one rank
+    clip_low: float = 0.2              # PPO ratio clip, low side
+    clip_high: float = 0.2             # PPO ratio clip, high side
+    dual_clip: float = 3.0             # dual-clip bound for A < 0
+    kl_coef: float = 0.01              # k3 KL to the reference (Eq. 4)
+    ent_coef: float = 0.001            # entropy bonus
+    lambda_opd: float = 0.01           # weight of the OPD term (Eq. 7)
+    beta_opd: float = 5.0              # gate sharpness: g = sigmoid(beta * (lp_skill - lp)) (Eq. 5)
+    adv_norm: str = "std"              # std | mean_norm (no division by the std; official WebShop launcher)
+    adv_level: str = "step"            # step (every step row counts, official code) | trajectory (the paper's formula)
+    # -- evaluation (no skill, temperature 0.4)
+    eval_every: int = 10               # evaluate every this many updates (and after the last); 0 = never
+    eval_tasks: int = 0                # held-out tasks per split (0 = the whole split)
+    eval_temperature: float = 0.4      # sampling temperature at evaluation
+    # -- checkpoints
+    save_every: int = 10               # checkpoint every this many updates (and after the last)
+
+
+# The env columns of DESIGN section 3 (ALFWorld = the dataclass defaults).
+ENV_DEFAULTS = {
+    "alfworld": dict(),
+    "webshop": dict(max_steps=15, history_length=2, max_prompt_tokens=4096, adv_norm="mean_norm"),
+    "search": dict(tasks_per_update=128, max_steps=4, history_length=4, max_prompt_tokens=4096,
+                   kl_coef=0.001, ent_coef=0.0),
+    "sokoban": dict(max_steps=15, history_length=2, max_prompt_tokens=1024, max_tokens=256),
+    "ezpoints": dict(max_steps=5, history_length=2, max_prompt_tokens=1024, max_tokens=256),
+}
+
+
+# ----------------------------------------------------------------------------- config
+
+def parse_config(argv=None, cls=Config, env_defaults=ENV_DEFAULTS):
+    """Every dataclass field is a flag. Order of precedence: flag > the --env column > dataclass default."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(cls):
+        if f.type in (bool, "bool"):
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            p.add_argument(f"--{f.name}", type=typ, default=argparse.SUPPRESS)
+    given = vars(p.parse_args(argv))
+    env = given.get("env", cls.env)
+    return cls(**{**env_defaults.get(env, {}), **given})
+
+
+def fail(msg):
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def validate(cfg):
+    """Stop at start-up, naming the problem, before any model is loaded."""
+    if cfg.env not in envs.NAMES:
+        fail(f"unknown --env {cfg.env!r}; choose one of {', '.join(envs.NAMES)}")
+    if cfg.algo not in ALGOS:
+        fail(f"unknown --algo {cfg.algo!r}; choose one of {', '.join(ALGOS)}")
+    if cfg.engine not in ("vllm", "hf"):
+        fail(f"unknown --engine {cfg.engine!r}; choose vllm or hf")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        fail(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
+    if cfg.adv_norm not in ("std", "mean_norm") or cfg.adv_level not in ("step", "trajectory"):
+        fail("--adv_norm must be std|mean_norm and --adv_level step|trajectory")
+    if cfg.data_dir and not os.path.isdir(cfg.data_dir) and not os.path.isfile(cfg.data_dir):
+        fail(f"--data_dir {cfg.data_dir} does not exist")
+    if cfg.env == "alfworld" and not cfg.data_dir:
+        from envs.alfworld import HOW_TO_GET_GAMES, find_data_dir
+        try:
+            find_data_dir(None)
+        except Exception:
+            fail(f"no ALFWorld games found (data/alfworld or $ALFWORLD_DATA); {HOW_TO_GET_GAMES}")
+    if cfg.init and not os.path.isfile(os.path.join(cfg.init, "config.json")):
+        fail(f"--init {cfg.init} is not a checkpoint folder (no config.json); run sft.py first, "
+             f"or pass --init '' for the no-SFT ablation")
+    if cfg.algo in LIBRARY and not os.path.isfile(library_path(cfg)):
+        fail(f"--algo {cfg.algo} needs the Stage-1 skill library {library_path(cfg)!r} (written by sft.py "
+             f"next to its checkpoint; or pass --skill_library)")
+    for name in ("updates", "tasks_per_update", "group_size", "max_steps", "max_tokens",
+                 "mini_batch_size", "micro_batch_size"):
+        if getattr(cfg, name) < (0 if name == "updates" else 1):
+            fail(f"--{name} must be positive, got {getattr(cfg, name)}")
+
+
+def library_path(cfg):
+    return cfg.skill_library or os.path.join(cfg.init, SKILL_FILE)
+
+
+# ----------------------------------------------------------------------------- distributed
+
+def setup_dist(seed):
+    """torchrun -> one process group (nccl on GPU, gloo on CPU); plain python -> world of one.
+    -> (rank, world, device). Seeds python/numpy/torch with seed + rank."""
+    rank, world = 0, 1
+    device = torch.device("cpu")
+    if "RANK" in os.environ and not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    return rank, world, device
+
+
+def all_sum(x):
+    """Sum a python number (or list of numbers) over ranks; float64 so counts stay exact."""
+    t = torch.tensor(x, dtype=torch.float64)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t)
+    return t.cpu().tolist()
+
+
+def all_max(x):
+    t = torch.tensor(x, dtype=torch.float64)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def gather(obj):
+    """-> list of every rank's obj (a python object), on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def wrap(model, cfg, device, world, trainable=True):
+    """DDP (gradients averaged over ranks) or FSDP2 (`fully_shard` per decoder layer, then the root)."""
+    model.to(device)
+    if cfg.fsdp and world > 1:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    if trainable and world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp.device = device   # grpo.response_logprobs reads `model.device`
+        return ddp
+    return model
+
+
+def unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+@contextlib.contextmanager
+def grad_sync(model, enabled):
+    """Accumulate micro-batch gradients locally; reduce them over ranks only on the last backward."""
+    if hasattr(model, "no_sync"):                                   # DDP
+        with (contextlib.nullcontext() if enabled else model.no_sync()):
+            yield
+    else:
+        if hasattr(model, "set_requires_gradient_sync"):            # FSDP2
+            model.set_requires_gradient_sync(enabled)
+        yield
+
+
+def autocast(device, dtype):
+    """bf16 compute on GPU (fp32 master weights); plain fp32 on CPU."""
+    if device.type == "cuda" and dtype != "float32":
+        return torch.autocast("cuda", dtype=getattr(torch, dtype))
+    return contextlib.nullcontext()
+
+
+def chunked(n, size, fsdp):
+    """Index chunks [0:size], [size:2 size], ... Under FSDP every rank must run the same number of
+    forwards (each one all-gathers the shards), so the chunk count is the max over ranks and the missing
+    chunks are None (the caller runs a throw-away forward)."""
+    count = math.ceil(n / size)
+    if fsdp:
+        count = int(all_max(count))
+    return [list(range(i * size, min(n, (i + 1) * size))) if i * size < n else None for i in range(count)]
+
+
+# ----------------------------------------------------------------------------- rows and log-probs
+
+@dataclass
+class Rows:
+    """The training rows of one update on one rank: one per step (Section 3.1). Per-token fields are
+    lists of 1-D tensors (response length each), re-padded per micro-batch."""
+    prompts: list        # prompt token ids the actor saw
+    responses: list      # sampled response token ids
+    adv: torch.Tensor    # [rows] group advantage (Eq. 2)
+    has_skill: torch.Tensor   # [rows] 1.0 where the row's episode has a skill (OPD applies)
+    old: list = None     # log pi_old per token
+    ref: list = None     # log pi_ref per token
+    skill: list = None   # log pi_old per token under the skill-augmented context
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def take(self, idx):
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]
+        return Rows([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.adv[idx],
+                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.skill))
+
+
+def pad(seqs, R):
+    """list of 1-D tensors -> [rows, R], zero right-padding."""
+    out = torch.zeros(len(seqs), R)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = s[:R]
+    return out
+
+
+def trim(lp, lengths):
+    """[rows, R] -> list of 1-D cpu tensors, one per row, of its response length."""
+    lp = lp.detach().float().cpu()
+    return [lp[i, :n].clone() for i, n in enumerate(lengths)]
+
+
+@torch.no_grad()
+def batch_logprobs(model, rows, pad_id, cfg, device):
+    """One no-grad pass over the rows (old or reference log-probs) -> list of 1-D tensors."""
+    out = [None] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: len(rows.prompts[i]) + len(rows.responses[i]))  # less padding
+    for idx in chunked(len(rows), cfg.micro_batch_size, cfg.fsdp):
+        batch = [order[j] for j in idx] if idx else [0]   # FSDP filler forward; result dropped
+        with autocast(device, resolved_dtype(cfg)):
+            lp, _, _ = grpo.response_logprobs(model, [rows.prompts[i] for i in batch],
+                                              [rows.responses[i] for i in batch], pad_id)   # [mb, R]
+        if idx:
+            for i, t in zip(batch, trim(lp, [len(rows.responses[i]) for i in batch])):
+                out[i] = t
+    return out
+
+
+@torch.no_grad()
+def rescore_rows(model, tokenizer, steps, skills, cfg, device):
+    """Section 3.3: lp_skill of the rows whose episode has a skill (opd.rescore, one forward per chunk);
+    the other rows get zeros, which the has-skill mask removes from the loss."""
+    out = [torch.zeros(len(s.response_ids)) for s in steps]
+    todo = [i for i, k in enumerate(skills) if k]
+    for idx in chunked(len(todo), cfg.micro_batch_size, cfg.fsdp):
+        rows = [todo[j] for j in idx] if idx else [0]   # FSDP filler forward; result dropped
+        with autocast(device, resolved_dtype(cfg)):
+            lp = opd.rescore(model, tokenizer, [steps[i] for i in rows], [skills[i] for i in rows], cfg.env,
+                             micro_batch=cfg.micro_batch_size)                            # [mb, R]
+        if idx:
+            for i, t in zip(rows, trim(lp, [len(steps[i].response_ids) for i in rows])):
+                out[i] = t
+    return out
+
+
+def resolved_dtype(cfg):
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+# ----------------------------------------------------------------------------- the objective (Eq. 3-7)
+
+def micro_loss(model, mb, cfg, pad_id, n_tok, world, device):
+    """The joint loss of one micro-batch as its share of the global token mean.
+    n_tok = response tokens of the whole mini-batch over all ranks. -> (loss, sums for the metrics)."""
+    with autocast(device, resolved_dtype(cfg)):
+        lp, mask, ent = grpo.response_logprobs(model, mb.prompts, mb.responses, pad_id, grad=True,
+                                               entropy=cfg.ent_coef > 0)          # [rows, R]
+    R = lp.shape[1]
+    padded = lambda x: None if x is None else pad(x, R).to(lp.device)
+    old, ref, lps = padded(mb.old), padded(mb.ref), padded(mb.skill)               # [rows, R]
+    if old is None:   # one mini-batch: pi_old is exactly the weights of this forward
+        old = lp.detach()
+    adv = mb.adv.to(lp.device)                                                     # [rows]
+    skill_mask = mb.has_skill.to(lp.device)[:, None] * mask                        # [rows, R]
+    pg = grpo.policy_loss(lp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip)   # [rows, R]
+    if cfg.algo == "opsd":
+        pg = torch.zeros_like(pg)                       # pure self-distillation: no reward term
+    kl = grpo.kl_k3(lp, ref) if ref is not None else None                          # [rows, R] Eq. 4
+    use_opd = cfg.algo in DISTILL
+    if cfg.algo in ("opsd", "grpo_opsd"):
+        od = opd.opsd_loss(lp, lps)                                                # [rows, R] ungated
+    else:
+        od = opd.opd_loss(lp, lps, cfg.beta_opd) if use_opd else None              # [rows, R] Eq. 6
+    lam = 1.0 if cfg.algo == "opsd" else cfg.lambda_opd
+    # DDP and FSDP average gradients over ranks: divide by global_tokens / world (grpo.masked_mean).
+    loss, _ = grpo.joint_loss(pg, kl, ent, od, mask, skill_mask, n_tok / world,
+                              cfg.kl_coef, cfg.ent_coef, lam if use_opd else 0.0)
+    with torch.no_grad():
+        g = opd.gates(lps, lp, cfg.beta_opd) if use_opd else torch.zeros_like(lp)  # [rows, R]
+        ratio = torch.exp(torch.clamp(lp - old, -20, 20))                          # [rows, R]
+        A = adv[:, None]
+        clipped = ((A > 0) & (ratio > 1 + cfg.clip_high)) | ((A < 0) & (ratio < 1 - cfg.clip_low))
+        sums = {"pg": (pg * mask).sum(), "kl": (kl * mask).sum() if kl is not None else 0.0,
+                "entropy": (ent * mask).sum() if ent is not None else 0.0,
+                "opd": (od * skill_mask).sum() if od is not None else 0.0,
+                "gate": (g * skill_mask).sum(), "gate_sq": (g * g * skill_mask).sum(),
+                "skill_tokens": skill_mask.sum(), "clipped": (clipped * mask).sum(), "tokens": mask.sum()}
+    return loss, {k: float(v) for k, v in sums.items()}
+
+
+def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, progress=False):
+    """One pass over the rows in mini-batches (ppo_epochs = 1); each mini-batch is one AdamW step on the
+    token-mean joint loss over all ranks' rows. `order`: this rank's row order (shuffled by the caller).
+    Returns the summed statistics of every micro-batch (summed over ranks) and the grad norms."""
+    order = list(range(len(rows))) if order is None else list(order)
+    n_mb = max(1, math.ceil(all_sum(len(rows)) / cfg.mini_batch_size))
+    totals, norms = {}, []
+    bar = tqdm(total=n_mb, desc="update", disable=not progress, leave=False)
+    for part in np.array_split(np.array(order, dtype=np.int64), n_mb):
+        part = sorted(part.tolist(), key=lambda i: len(rows.prompts[i]) + len(rows.responses[i]))  # less padding
+        mbrows = rows.take(part)
+        n_tok = all_sum(sum(len(r) for r in mbrows.responses))
+        micros = chunked(len(mbrows), cfg.micro_batch_size, fsdp=True)   # same count on every rank (DDP too)
+        opt.zero_grad(set_to_none=True)
+        for k, idx in enumerate(micros):
+            with grad_sync(model, k == len(micros) - 1):
+                mb = mbrows.take(idx) if idx else rows.take([0])  # filler: a row with zero weight
+                loss, sums = micro_loss(model, mb, cfg, pad_id, max(n_tok, 1.0), world, device)
+                (loss if idx else loss * 0.0).backward()
+            if idx:
+                for key, v in sums.items():
+                    totals[key] = totals.get(key, 0.0) + v
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        bar.update(1)
+    bar.close()
+    keys = sorted(totals) or ["tokens"]
+    summed = dict(zip(keys, all_sum([totals.get(k, 0.0) for k in keys])))
+    return summed, norms
+
+
+def loss_metrics(s, norms, with_opd):
+    """Sums over the update -> token means (every loss term as it enters L: over all response tokens).
+    The gate statistics are over the tokens of rows with a skill (nan when there were none)."""
+    n, ns = max(s.get("tokens", 0.0), 1.0), s.get("skill_tokens", 0.0)
+    out = {"loss/pg": s.get("pg", 0.0) / n, "loss/kl": s.get("kl", 0.0) / n, "loss/entropy": s.get("entropy", 0.0) / n,
+           "clip_frac": s.get("clipped", 0.0) / n, "grad_norm": float(np.mean(norms)) if norms else 0.0,
+           "tokens": s.get("tokens", 0.0)}
+    if with_opd:
+        gate_mean = s.get("gate", 0.0) / ns if ns else float("nan")
+        gate_var = s.get("gate_sq", 0.0) / ns - gate_mean ** 2 if ns else float("nan")
+        out |= {"loss/opd": s.get("opd", 0.0) / n, "opd/per_skill_token": s.get("opd", 0.0) / ns if ns else float("nan"),
+                "gate/mean": gate_mean, "gate/std": math.sqrt(max(gate_var, 0.0)) if ns else float("nan"),
+                "skill_token_frac": ns / n}
+    return out
+
+
+# ----------------------------------------------------------------------------- one update (Algorithm 1)
+
+def make_rows(episodes, steps, penalty, cfg):
+    """Eq. 1-2: step rows, rewards with the invalid-action penalty, group-normalized advantages."""
+    ep_of = [e for e, ep in enumerate(episodes) for _ in ep.steps]
+    valid = [s.valid for s in steps]
+    if cfg.adv_level == "trajectory":
+        r = grpo.row_rewards([episodes[e].reward for e in ep_of], [True] * len(steps), penalty)
+        adv = grpo.group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm, episode_ids=ep_of)
+    else:
+        r = grpo.row_rewards([episodes[e].reward for e in ep_of], valid, penalty)
+        adv = grpo.group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm)
+    has = torch.tensor([1.0 if episodes[e].skill else 0.0 for e in ep_of])
+    return Rows([list(s.prompt_ids) for s in steps], [list(s.response_ids) for s in steps], adv, has), ep_of
+
+
+def library_skills(library, env, env_name, task_ids):
+    """One library skill per task (reset an env once to read the task text and family)."""
+    out = []
+    for t in task_ids:
+        env.reset(seed=int(t))
+        out.append(library.retrieve(env_name, env.family, env.task))
+    return out
+
+
+def rl_update(u, S):
+    """Algorithm 1, one iteration. S: the run state (see main). -> metrics dict."""
+    cfg, rank, world = S["cfg"], S["rank"], S["world"]
+    main_rank = rank == 0
+    sec = {}
+    t = time.time()
+    tasks = S["data_rng"].choice(S["num_tasks"], size=cfg.tasks_per_update,
+                                 replace=S["num_tasks"] < cfg.tasks_per_update).tolist()
+    mine = tasks[rank::world]
+    ctx_skills = (library_skills(S["library"], S["train_envs"][0], cfg.env, mine)
+                  if cfg.algo == "skill_grpo" else None)
+    # 1. collect with the snapshot pi_old
+    episodes = rollout.collect(S["engine"], S["tok"], S["train_envs"], mine, cfg.group_size,
+                               temperature=cfg.temperature, max_tokens=cfg.max_tokens, skills=ctx_skills,
+                               progress=main_rank)
+    sec["collect"] = time.time() - t
+    # 2. analyze with the same snapshot (greedy) -> episode.skill
+    t = time.time()
+    stats = {}
+    if cfg.algo in LIVE_ANALYZER:
+        stats = analyzer.analyze(S["engine"], S["tok"], episodes, max_tokens=cfg.analyzer_max_tokens,
+                                 retries=cfg.analyzer_retries) or {}
+    elif cfg.algo == "static_skills":
+        for ep in episodes:
+            ep.skill = S["library"].retrieve(cfg.env, ep.family, ep.task)
+    sec["analyze"] = time.time() - t
+    S["episode_records"] = [r for part in gather([episode_record(ep) for ep in episodes]) for r in part]
+    S["engine"].sleep()
+    # 3. rows, rewards, advantages (Eq. 1-2)
+    t = time.time()
+    steps = [s for ep in episodes for s in ep.steps]
+    rows, ep_of = make_rows(episodes, steps, S["train_envs"][0].invalid_penalty, cfg)
+    model, pad_id = S["model"], S["tok"].pad_token_id
+    # 4. reference and old log-probs: one no-grad pass each
+    if all_sum(len(rows)) > cfg.mini_batch_size:   # later mini-batches need log pi_old; one mini-batch does not
+        rows.old = batch_logprobs(S["fwd"], rows, pad_id, cfg, S["device"])
+    if cfg.kl_coef > 0:
+        rows.ref = batch_logprobs(S["ref"], rows, pad_id, cfg, S["device"])
+    sec["logprobs"] = time.time() - t
+    # 5. re-score under the skill-augmented context (only rows with a skill are distilled)
+    t = time.time()
+    if cfg.algo in DISTILL:
+        rows.skill = rescore_rows(S["fwd"], S["tok"], steps, [episodes[e].skill for e in ep_of], cfg, S["device"])
+    sec["rescore"] = time.time() - t
+    # 6. mini-batch updates of the joint loss (Eq. 7), one pass, rows shuffled
+    t = time.time()
+    order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
+    sums, norms = update_policy(model, S["opt"], rows, cfg, pad_id, world, S["device"], order, main_rank)
+    sec["update"] = time.time() - t
+    # 7. the new weights become the next snapshot pi_old (actor and analyzer)
+    t = time.time()
+    S["engine"].wake()
+    push(S["engine"], model)
+    sec["push"] = time.time() - t
+    return episode_metrics(episodes, stats) | loss_metrics(sums, norms, cfg.algo in DISTILL) | {f"sec/{k}": v for k, v in sec.items()}
+
+
+def push(engine, model):
+    """Weight push into this rank's engine (FSDP: gather the full tensors first, on every rank)."""
+    m = unwrap(model)
+    if any(hasattr(p, "full_tensor") for p in m.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+        engine.push_weights(_StateDictModel(sd))
+    else:
+        engine.push_weights(m)
+
+
+class _StateDictModel(torch.nn.Module):
+    """A full state dict presented as a module (for engine.push_weights under FSDP)."""
+    def __init__(self, sd):
+        super().__init__()
+        self._sd = sd
+
+    def state_dict(self, *a, **k):
+        return self._sd
+
+    def named_parameters(self, *a, **k):
+        return iter(self._sd.items())
+
+
+def episode_metrics(episodes, stats):
+    """Rollout statistics over all ranks: success, reward, length, invalid rate, skills, parse failures."""
+    local = [(float(ep.won), ep.reward, ep.length, sum(not s.valid for s in ep.steps), bool(ep.skill))
+             for ep in episodes]
+    allep = [x for part in gather(local) for x in part]
+    n, steps = len(allep), max(sum(x[2] for x in allep), 1)
+    fails, tries = all_sum([stats.get("parse_failures", 0), stats.get("episodes", 0)])
+    return {"success": sum(x[0] for x in allep) / n, "reward": sum(x[1] for x in allep) / n,
+            "length": sum(x[2] for x in allep) / n, "invalid_rate": sum(x[3] for x in allep) / steps,
+            "skill_rate": sum(x[4] for x in allep) / n, "episodes": n, "rows": steps,
+            "parse_failure_rate": fails / tries if tries else float("nan")}
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def env_kwargs(cfg, split):
+    kw = dict(split=split, history_length=cfg.history_length, max_steps=cfg.max_steps)
+    if cfg.env == "alfworld":
+        kw["data_dir"] = cfg.data_dir or None
+    elif cfg.env == "search":
+        kw.update(data=cfg.data_dir or None, retriever_url=cfg.retriever_url)
+    return kw
+
+
+def eval_task_ids(cfg, split, rank, world):
+    n = envs.make(cfg.env, **env_kwargs(cfg, split)).num_tasks
+    ids = list(range(min(cfg.eval_tasks, n) if cfg.eval_tasks else n))
+    return ids[rank::world]
+
+
+def run_eval(S, with_skill=False):
+    """Held-out tasks at temperature 0.4, no skill (skill_prompt: the library skill in the prompt).
+    -> {"eval/<split>/success", ".../success_<family>", ".../success_macro", ".../length"}."""
+    cfg, out = S["cfg"], {}
+    for split in EVAL_SPLITS[cfg.env]:
+        ids, local = S["eval_ids"][split], []
+        n = min(len(ids), len(S["train_envs"]))        # as many envs at once as in training
+        es = S["eval_envs"].setdefault(split, [envs.make(cfg.env, **env_kwargs(cfg, split)) for _ in range(n)])
+        for i in range(0, len(ids), max(n, 1)):
+            chunk = ids[i:i + n]
+            skills = library_skills(S["library"], es[0], cfg.env, chunk) if with_skill else None
+            eps = rollout.collect(S["engine"], S["tok"], es[:len(chunk)], chunk, 1, temperature=cfg.eval_temperature,
+                                  max_tokens=cfg.max_tokens, skills=skills, progress=S["rank"] == 0)
+            local += [(ep.family, float(ep.won), ep.length) for ep in eps]
+        res = [x for part in gather(local) for x in part]
+        fams = sorted({f for f, _, _ in res})
+        per = {f: float(np.mean([w for g, w, _ in res if g == f])) for f in fams}
+        out[f"eval/{split}/success"] = float(np.mean([w for _, w, _ in res])) if res else float("nan")
+        out[f"eval/{split}/success_macro"] = float(np.mean(list(per.values()))) if per else float("nan")
+        out[f"eval/{split}/length"] = float(np.mean([n for _, _, n in res])) if res else float("nan")
+        out.update({f"eval/{split}/success_{f}": v for f, v in per.items()})
+    return out
+
+
+# ----------------------------------------------------------------------------- run folder
+
+def episode_record(ep):
+    return {"task_id": ep.task_id, "group_id": ep.group_id, "env": ep.env, "task": ep.task, "family": ep.family,
+            "won": ep.won, "reward": ep.reward, "length": ep.length, "summary": ep.summary, "skill": ep.skill,
+            "steps": [{"observation": s.observation, "response": s.response_text, "action": s.action,
+                       "valid": s.valid} for s in ep.steps]}
+
+
+def write_metrics(run_dir, metrics):
+    clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}  # strict JSON
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(clean) + "\n")
+
+
+def read_metrics(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(run_dir, lines):
+    """curves.png: success (train and eval), episode length, OPD loss, gate mean +- std."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if not lines:
+        return
+    u = [m["update"] for m in lines]
+    col = lambda k: [float("nan") if m.get(k) is None else m[k] for m in lines]
+    fig, ax = plt.subplots(2, 2, figsize=(10, 7))
+    ax[0, 0].plot(u, col("success"), "o-", label="train rollouts")
+    for k in sorted({k for m in lines for k in m if k.startswith("eval/") and k.endswith("/success")}):
+        pts = [(m["update"], m[k]) for m in lines if m.get(k) is not None]
+        ax[0, 0].plot(*zip(*pts), "s--", label=k[5:-8])
+    ax[0, 0].set(title="success rate", xlabel="update", ylim=(-0.05, 1.05))
+    ax[0, 0].legend(fontsize=8)
+    ax[0, 1].plot(u, col("length"), "o-")
+    ax[0, 1].set(title="episode length (steps)", xlabel="update")
+    ax[1, 0].plot(u, col("loss/opd"), "o-")
+    ax[1, 0].set(title="OPD loss (token mean)", xlabel="update")
+    gm, gs = np.array(col("gate/mean")), np.array(col("gate/std"))
+    ax[1, 1].plot(u, gm, "o-", label="mean")
+    ax[1, 1].fill_between(u, gm - gs, gm + gs, alpha=0.3, label="+- std")
+    ax[1, 1].set(title="OPD gate g", xlabel="update", ylim=(-0.05, 1.05))
+    ax[1, 1].legend(fontsize=8)
+    fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=90)
+    plt.close(fig)
+
+
+def rng_state():
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s):
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def save_checkpoint(S, next_update):
+    """checkpoint/: HF weights (safetensors) + tokenizer + trainer_state.pt (optimizer, every rank's RNG
+    states, data-order RNG, next update index). Written to a temporary folder, then swapped in."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = unwrap(S["model"])
+    sd = get_model_state_dict(model, options=full)
+    osd = get_optimizer_state_dict(model, S["opt"], options=full)
+    rngs = gather(rng_state() | {"engine": getattr(S["engine"], "rng", None)})   # HF engine: its sampling RNG
+    if S["rank"] == 0:
+        final = os.path.join(S["run_dir"], "checkpoint")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        S["tok"].save_pretrained(tmp)
+        torch.save({"update": next_update, "optimizer": osd, "rng": rngs, "world": S["world"],
+                    "data_rng": S["data_rng"].bit_generator.state}, os.path.join(tmp, "trainer_state.pt"))
+        if os.path.exists(final):
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_trainer_state(S, state):
+    """Optimizer, RNG streams and data order from trainer_state.pt (model weights are loaded before wrapping)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(unwrap(S["model"]), S["opt"], state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    if state["world"] == S["world"]:
+        set_rng_state(state["rng"][S["rank"]])
+        if state["rng"][S["rank"]].get("engine") is not None and hasattr(S["engine"], "rng"):
+            S["engine"].rng = state["rng"][S["rank"]]["engine"]
+    elif S["rank"] == 0:
+        print(f"[seed] note: resumed on {S['world']} ranks (saved on {state['world']}); "
+              f"RNG streams restart from the seed", flush=True)
+    S["data_rng"].bit_generator.state = state["data_rng"]
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    cfg.out = cfg.out or os.path.join("runs", f"{cfg.algo}-{cfg.env}")
+    validate(cfg)
+    rank, world, device = setup_dist(cfg.seed)
+    if cfg.tasks_per_update % world:
+        fail(f"--tasks_per_update {cfg.tasks_per_update} must be a multiple of the {world} ranks")
+    run_dir = cfg.out
+    ckpt = os.path.join(run_dir, "checkpoint")
+    resuming = cfg.resume and os.path.exists(os.path.join(ckpt, "trainer_state.pt"))
+    if read_metrics(run_dir) and not cfg.resume:
+        fail(f"{run_dir} already holds a run; pass --resume to continue it or a new --out")
+    if rank == 0:
+        if cfg.resume and not resuming:
+            print(f"[seed] --resume: no checkpoint in {run_dir}; starting at update 0", flush=True)
+        os.makedirs(os.path.join(run_dir, "episodes"), exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg) | {"world_size": world}, f, indent=2)
+
+    # models: policy (the checkpoint when resuming), reference = the --init checkpoint (or the base model)
+    init = cfg.init or cfg.model
+    model, tok, init_path = rollout.load_model(ckpt if resuming else init)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    S = dict(cfg=cfg, rank=rank, world=world, device=device, run_dir=run_dir, tok=tok, eval_envs={})
+    train = cfg.algo != "skill_prompt"
+    if train and (cfg.kl_coef > 0):
+        ref, _, _ = rollout.load_model(init)
+        ref.requires_grad_(False).eval()
+        S["ref"] = wrap(ref, cfg, device, world, trainable=False)
+    S["model"] = wrap(model, cfg, device, world)
+    S["fwd"] = unwrap(S["model"]) if not cfg.fsdp else S["model"]   # no-grad passes skip DDP's hooks
+    if "ref" not in S:
+        S["ref"] = S["fwd"]                                          # kl_coef = 0: the KL term is unused
+    S["opt"] = torch.optim.AdamW(S["model"].parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    S["data_rng"] = np.random.default_rng(cfg.seed)
+    S["library"] = analyzer.SkillLibrary.load(library_path(cfg)) if cfg.algo in LIBRARY else None
+
+    # one engine per rank (its own sampling seed), loaded with the policy's current weights
+    model_path = ckpt if resuming else init_path
+    S["engine"] = rollout.make_engine(cfg.engine, model_path, dtype=resolved_dtype(cfg), seed=cfg.seed,
+                                      max_model_len=cfg.max_prompt_tokens + cfg.max_tokens)
+
+    start = 0
+    if resuming:
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        load_trainer_state(S, state)
+        start = state["update"]
+        if rank == 0:   # lines written after the checkpoint are recomputed: none lost, none doubled
+            kept = [m for m in read_metrics(run_dir) if m["update"] < start]
+            with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in kept)
+            print(f"[seed] resumed {run_dir} at update {start}", flush=True)
+
+    n_local = cfg.tasks_per_update // world * cfg.group_size
+    S["train_envs"] = [envs.make(cfg.env, **env_kwargs(cfg, "train")) for _ in range(n_local)]
+    S["num_tasks"] = S["train_envs"][0].num_tasks
+    S["eval_ids"] = {s: eval_task_ids(cfg, s, rank, world) for s in EVAL_SPLITS[cfg.env]}
+
+    if not train:   # skill_prompt: the frozen model, library skills only at evaluation
+        metrics = {"update": 0} | run_eval(S, with_skill=True)
+        if rank == 0:
+            write_metrics(run_dir, metrics)
+            print(json.dumps(metrics), flush=True)
+        return finish(S)
+
+    for u in range(start, cfg.updates):
+        t0 = time.time()
+        metrics = {"update": u} | rl_update(u, S)
+        last = u == cfg.updates - 1
+        if cfg.eval_every and ((u + 1) % cfg.eval_every == 0 or last):
+            t = time.time()
+            metrics |= run_eval(S)
+            metrics["sec/eval"] = time.time() - t
+        metrics["sec/total"] = time.time() - t0
+        if rank == 0:
+            write_episodes(run_dir, u, S)
+            write_metrics(run_dir, metrics)
+            plot_curves(run_dir, read_metrics(run_dir))
+            print(summary_line(metrics), flush=True)
+        if (u + 1) % cfg.save_every == 0 or last:
+            save_checkpoint(S, u + 1)
+    return finish(S)
+
+
+def write_episodes(run_dir, u, S):
+    """episodes/update_XXXX.jsonl: every rank's episodes of this update, with summaries and skills."""
+    with open(os.path.join(run_dir, "episodes", f"update_{u:04d}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in S["episode_records"])
+
+
+def summary_line(m):
+    keys = ["success", "length", "reward", "loss/pg", "loss/kl", "loss/opd", "gate/mean", "parse_failure_rate",
+            "sec/total"] + [k for k in m if k.startswith("eval/") and (k.endswith("/success") or k.endswith("_macro"))]
+    return f"[update {m['update']}] " + " ".join(f"{k}={m[k]:.3g}" for k in keys if k in m)
+
+
+def finish(S):
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    if S["rank"] == 0:
+        print(f"[seed] done: {os.path.join(S['run_dir'], 'metrics.jsonl')}, "
+              f"{os.path.join(S['run_dir'], 'curves.png')}, {os.path.join(S['run_dir'], 'checkpoint')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

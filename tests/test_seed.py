@@ -1,0 +1,278 @@
+"""The training loop (seed.py) and Stage 1 (sft.py), end to end on CPU with the embedded model.
+
+One tiny pipeline is shared by the checks (module fixtures): generated ALFWorld games -> sft.py (scripted
+analyzer, HF engine) -> seed.py --algo seed from that checkpoint, killed during its second update and
+resumed; seed.py --algo grpo on Sokoban from the base model; the saved checkpoint reloaded and evaluated.
+The distributed checks run one update step on fixed rows (tests/dist_update.py) in one process, under
+torchrun with two gloo ranks (DDP), and with --fsdp (FSDP2 fully_shard).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import analyzer
+import rollout
+import seed
+import sft
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+ENV = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+TINY = ["--engine", "hf", "--group_size", "2", "--max_steps", "3", "--max_tokens", "24", "--micro_batch_size", "4"]
+
+
+def run(args, timeout=600, **kw):
+    p = subprocess.run([PY, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, **kw)
+    return p
+
+
+def lines(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+# ----------------------------------------------------------------------------- configuration (no model)
+
+def test_flags_env_columns_and_overrides():
+    cfg = seed.parse_config(["--env", "search"])
+    assert (cfg.tasks_per_update, cfg.max_steps, cfg.history_length, cfg.kl_coef, cfg.ent_coef) == (128, 4, 4, 0.001, 0.0)
+    cfg = seed.parse_config(["--env", "search", "--kl_coef", "0.05", "--fsdp"])
+    assert cfg.kl_coef == 0.05 and cfg.fsdp and cfg.max_steps == 4
+    cfg = seed.parse_config([])
+    assert (cfg.tasks_per_update, cfg.group_size, cfg.max_steps, cfg.lr, cfg.lambda_opd, cfg.beta_opd) == \
+        (16, 8, 30, 1e-6, 0.01, 5.0)
+    assert seed.parse_config(["--env", "webshop"]).adv_norm == "mean_norm"
+    assert sft.main.__module__ == "sft" and seed.parse_config([], cls=sft.SFTConfig).k0 == 8
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--env", "nope"], "unknown --env"),
+    (["--algo", "ppo"], "unknown --algo"),
+    (["--init", "/no/such/ckpt"], "--init /no/such/ckpt"),
+    (["--data_dir", "/no/such/dir"], "--data_dir /no/such/dir"),
+    (["--algo", "static_skills", "--init", ""], "skill library"),
+])
+def test_bad_flags_stop_at_start_up(flags, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        seed.validate(seed.parse_config(flags))
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bad_flag_from_the_command_line():
+    p = run(["seed.py", "--env", "alfworld", "--algo", "nope"], timeout=300)
+    assert p.returncode == 2 and "unknown --algo 'nope'" in p.stderr
+
+
+# ----------------------------------------------------------------------------- the shared tiny pipeline
+
+@pytest.fixture(scope="module")
+def games(tmp_path_factory):
+    out = tmp_path_factory.mktemp("alfworld")
+    p = run(["-m", "envs.alfworld_gen", "--out", str(out), "--train", "3", "--valid_seen", "1",
+             "--valid_unseen", "1", "--seed", "0", "--workers", "1"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def sft_ckpt(games, tmp_path_factory):
+    """Stage 1 on 3 tasks x 2 episodes; a high learning rate so the tiny set teaches the JSON format."""
+    out = str(tmp_path_factory.mktemp("sft") / "ckpt")
+    p = run(["sft.py", "--env", "alfworld", "--data_dir", games, "--out", out, "--tasks", "3", "--k0", "2",
+             "--engine", "hf", "--max_steps", "3", "--max_tokens", "24", "--epochs", "4", "--lr", "1e-4",
+             "--batch_size", "2", "--micro_batch_size", "2"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return out
+
+
+def test_sft_writes_a_checkpoint_seed_accepts(sft_ckpt, games):
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json", "skills.jsonl", "stage1.json"):
+        assert os.path.exists(os.path.join(sft_ckpt, name)), name
+    summary = json.load(open(os.path.join(sft_ckpt, "stage1.json")))
+    assert summary["episodes"] == 6 and summary["parsed"] == 6 and summary["skills"] == 6
+    log = [json.loads(x) for x in open(os.path.join(sft_ckpt, "sft_log.jsonl"))]
+    assert len(log) == 4 * 3 and log[-1]["loss"] < log[0]["loss"]
+    lib = analyzer.SkillLibrary.load(os.path.join(sft_ckpt, "skills.jsonl"))
+    assert lib.retrieve("alfworld", lib.entries[0]["family"], lib.entries[0]["task"])
+    seed.validate(seed.parse_config(["--init", sft_ckpt, "--data_dir", games, "--algo", "static_skills"]))
+
+
+class _Analyzer(BaseHTTPRequestHandler):
+    """An OpenAI-compatible chat endpoint on loopback (stands in for the external analyzer API)."""
+    calls = 0
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).calls += 1
+        assert self.headers.get("Authorization") == "Bearer test-key" and body["temperature"] == 0
+        text = json.dumps({"episode_summary": "The agent looked around.",
+                           "episode_skill": "Go to the target receptacle first, then take the object."})
+        data = json.dumps({"choices": [{"message": {"content": text}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_annotation_is_resumable_and_never_resent(sft_ckpt, tmp_path, monkeypatch):
+    """Labels come from a loopback OpenAI-compatible server; a second pass over the same cache sends nothing,
+    and a cache holding half the labels sends only the other half."""
+    episodes = {d["key"]: sft.episode_from_json(d)
+                for d in sft.read_jsonl(os.path.join(sft_ckpt, "stage1", "episodes.rank*.jsonl"))}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Analyzer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("SEED_TEST_KEY", "test-key")
+    cfg = sft.SFTConfig(analyzer_url=f"http://127.0.0.1:{server.server_address[1]}/v1", analyzer_model="m",
+                        analyzer_key_env="SEED_TEST_KEY", annotate_batch=2)
+    try:
+        first = sft.annotate(cfg, str(tmp_path), 0, 1, episodes)
+        assert _Analyzer.calls == len(episodes) == 6 and all(first.values())
+        assert sft.annotate(cfg, str(tmp_path), 0, 1, episodes) == first and _Analyzer.calls == 6
+        with open(tmp_path / "labels.rank0.jsonl") as f:
+            kept = f.readlines()[:3]
+        with open(tmp_path / "labels.rank0.jsonl", "w") as f:
+            f.writelines(kept + ['{"key": "cut by a ki'])      # a line cut by a kill is redone
+        sft.annotate(cfg, str(tmp_path), 0, 1, episodes)
+        assert _Analyzer.calls == 9
+    finally:
+        server.shutdown()
+    assert "test-key" not in open(tmp_path / "labels.rank0.jsonl").read()
+
+
+@pytest.fixture(scope="module")
+def seed_run(games, sft_ckpt, tmp_path_factory):
+    """seed.py --algo seed, 2 updates, killed (SIGKILL) during update 2 after the update-1 checkpoint,
+    then --resume. -> (run folder, metrics seen at the kill)."""
+    out = str(tmp_path_factory.mktemp("seed") / "run")
+    args = ["seed.py", "--algo", "seed", "--env", "alfworld", "--data_dir", games, "--init", sft_ckpt,
+            "--out", out, "--updates", "2", "--tasks_per_update", "2", "--save_every", "1", "--eval_every", "2",
+            "--eval_tasks", "1", "--analyzer_max_tokens", "160", "--lr", "1e-5", *TINY]
+    proc = subprocess.Popen([PY, *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    state = os.path.join(out, "checkpoint", "trainer_state.pt")
+    deadline = time.time() + 600
+    while not os.path.exists(state) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    log = proc.communicate()[0]
+    assert os.path.exists(state), log[-3000:]
+    at_kill = lines(out)
+    p = run(args + ["--resume"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return out, at_kill, p.stdout
+
+
+def test_kill_and_resume_lose_and_double_nothing(seed_run):
+    out, at_kill, stdout = seed_run
+    assert [m["update"] for m in at_kill] == [0]
+    assert "resumed" in stdout and "at update 1" in stdout
+    ms = lines(out)
+    assert [m["update"] for m in ms] == [0, 1] and ms[0] == at_kill[0]
+    state = torch.load(os.path.join(out, "checkpoint", "trainer_state.pt"), weights_only=False)
+    assert state["update"] == 2 and state["optimizer"]["state"]
+    assert sorted(os.listdir(os.path.join(out, "episodes"))) == ["update_0000.jsonl", "update_0001.jsonl"]
+
+
+def test_seed_run_writes_everything_and_distills(seed_run):
+    out, _, _ = seed_run
+    ms = lines(out)
+    for m in ms:
+        for k in ("success", "length", "reward", "loss/pg", "loss/kl", "loss/entropy", "loss/opd", "gate/mean",
+                  "gate/std", "clip_frac", "parse_failure_rate", "sec/collect", "sec/analyze", "sec/update"):
+            assert k in m, k
+        assert m["episodes"] == 4 and m["rows"] >= 4
+    skilled = [m for m in ms if m["skill_rate"] > 0]
+    assert skilled, "the SFT'd analyzer never produced a parsable skill"
+    assert all(m["loss/opd"] != 0 and 0 < m["gate/mean"] < 1 for m in skilled)
+    assert "eval/valid_seen/success" in ms[-1] and "eval/valid_unseen/success_macro" in ms[-1]
+    eps = [json.loads(x) for x in open(os.path.join(out, "episodes", "update_0001.jsonl"))]
+    assert len(eps) == 4 and any(e["skill"] for e in eps) and eps[0]["steps"][0]["response"] is not None
+    assert os.path.getsize(os.path.join(out, "curves.png")) > 10_000
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["algo"] == "seed" and cfg["lambda_opd"] == 0.01
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("grpo") / "run")
+    p = run(["seed.py", "--algo", "grpo", "--env", "sokoban", "--out", out, "--updates", "2", "--tasks_per_update", "2",
+             "--eval_every", "2", "--eval_tasks", "2", "--lr", "1e-5", *TINY])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return out
+
+
+def test_grpo_has_no_opd_term(grpo_run):
+    ms = lines(grpo_run)
+    assert [m["update"] for m in ms] == [0, 1]
+    assert all("loss/opd" not in m and "gate/mean" not in m and m["skill_rate"] == 0 for m in ms)
+    assert all(m["loss/kl"] >= 0 and m["tokens"] > 0 for m in ms) and "eval/test/success" in ms[-1]
+
+
+def test_checkpoint_reloads_and_evaluates(grpo_run):
+    import envs
+    ckpt = os.path.join(grpo_run, "checkpoint")
+    model, tok, _ = rollout.load_model(ckpt)
+    base, _, _ = rollout.load_model(rollout.EMBEDDED)
+    moved = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), base.parameters()))
+    assert moved > 0, "the checkpoint holds the base weights: no update was saved"
+    engine = rollout.make_engine("hf", ckpt, dtype="float32", max_model_len=2048)
+    res = rollout.evaluate(engine, tok, [envs.make("sokoban", split="test", max_steps=2) for _ in range(2)],
+                           [0, 1], max_tokens=16)
+    assert 0.0 <= res["success"] <= 1.0 and len(res["episodes"]) == 2
+
+
+# ----------------------------------------------------------------------------- DDP and FSDP2 equal one process
+
+@pytest.fixture(scope="module")
+def single_update(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dist") / "single.json")
+    p = run(["tests/dist_update.py", out])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.load(open(out))
+
+
+def torchrun(tmp_path, *extra):
+    out = str(tmp_path / "ranks.json")
+    p = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        "tests/dist_update.py", out, *extra], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return json.load(open(out))
+
+
+def assert_same_update(a, b):
+    assert len(a["grad_norms"]) == len(b["grad_norms"]) == 2            # 8 rows, mini-batches of 4
+    for x, y in zip(a["grad_norms"], b["grad_norms"]):
+        assert abs(x - y) <= 1e-4 * abs(x), (a["grad_norms"], b["grad_norms"])
+    for key in ("tokens", "skill_tokens", "pg", "opd", "kl"):
+        assert abs(a["sums"][key] - b["sums"][key]) <= 1e-4 * max(1.0, abs(a["sums"][key])), key
+    scale = max(v["norm"] for v in a["fingerprint"].values())
+    assert scale > 1e-3, "the update did not move the parameters"
+    for name, fa in a["fingerprint"].items():
+        fb = b["fingerprint"][name]
+        assert abs(fa["norm"] - fb["norm"]) <= 1e-4 * scale, name
+        assert max(abs(x - y) for x, y in zip(fa["sample"], fb["sample"])) <= 1e-5 * scale + 1e-7, name
+
+
+def test_two_ddp_ranks_equal_one_process(single_update, tmp_path):
+    ddp = torchrun(tmp_path)
+    assert ddp["world"] == 2 and ddp["rank_max_diff"] == 0.0
+    assert_same_update(single_update, ddp)
+
+
+def test_two_fsdp2_ranks_equal_one_process(single_update, tmp_path):
+    fsdp = torchrun(tmp_path, "--fsdp")
+    assert fsdp["world"] == 2 and fsdp["fsdp"] and fsdp["rank_max_diff"] == 0.0
+    assert_same_update(single_update, fsdp)
