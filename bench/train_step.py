@@ -1,0 +1,219 @@
+"""Training-step efficiency of Stage 2 (the Eq. 7 update and the no-grad log-prob passes of Algorithm 1).
+
+Measured in one run on this machine:
+  * the matmul peak: torch.matmul on large square matrices, float32 and bfloat16, all torch threads;
+  * padding waste (padded tokens / real tokens) of the micro-batches seed.py builds, on realistic rows
+    (replayed from a run's recorded episodes/update_XXXX.jsonl), before and after length sorting;
+  * achieved FLOP/s of one no-grad log-prob pass (seed.batch_logprobs, counted 2 x params x tokens) and of
+    the update (seed.update_policy: forward + backward + AdamW, counted 6 x params x tokens), in seed.py's
+    row order and length-sorted, on a subset of those rows.
+
+    .venv/bin/python bench/train_step.py                       # rows from the newest bench run
+    .venv/bin/python bench/train_step.py --episodes runs/x/episodes/update_0000.jsonl --rows 32
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- micro-batch layouts
+
+def layout_waste(rows, batches):
+    """Padded tokens / real tokens when each batch is laid out as [left-padded prompt | right-padded
+    response] (grpo.response_logprobs). rows: list of (prompt_len, response_len); batches: index lists."""
+    real = sum(p + r for p, r in rows)
+    cells = sum(len(b) * (max(rows[i][0] for i in b) + max(rows[i][1] for i in b)) for b in batches if b)
+    return (cells - real) / real
+
+
+def chunks(idx, size):
+    return [list(idx[i:i + size]) for i in range(0, len(idx), size)]
+
+
+def by_length(rows, idx):
+    """Sort key of the fix: prompt length, then response length (both pads count in the [P | R] layout)."""
+    return sorted(idx, key=lambda i: (rows[i][0], rows[i][1]))
+
+
+def update_batches(rows, mini, micro, seed, sort):
+    """seed.update_policy: rows shuffled, split into mini-batches, micro-batches in order. sort=True sorts
+    inside each mini-batch (same rows per optimizer step, so the same gradient)."""
+    order = np.random.default_rng([seed, 0, 0]).permutation(len(rows))
+    out = []
+    for part in np.array_split(order, max(1, math.ceil(len(rows) / mini))):
+        part = list(part)
+        out += chunks(by_length(rows, part) if sort else part, micro)
+    return out
+
+
+def pass_batches(rows, micro, sort):
+    """seed.batch_logprobs: rows in episode order in chunks of `micro`; sort=True: globally by length."""
+    idx = list(range(len(rows)))
+    return chunks(by_length(rows, idx) if sort else idx, micro)
+
+
+def padding_table(rows, mini, micro, seed):
+    lens = [(len(r["prompt"]), len(r["response"])) for r in rows]
+    return [
+        ("update (seed.update_policy)", layout_waste(lens, update_batches(lens, mini, micro, seed, False)),
+         layout_waste(lens, update_batches(lens, mini, micro, seed, True))),
+        ("no-grad pass (old / ref)", layout_waste(lens, pass_batches(lens, micro, False)),
+         layout_waste(lens, pass_batches(lens, micro, True))),
+    ]
+
+
+# ----------------------------------------------------------------------------- FLOP counts
+
+def flop_counts(model):
+    """Parameter counts for the FLOP formulas: all parameters (the issue's 6 N T), and the parts an exact
+    count separates (embedding/LM head, computed only on the kept R+1 positions by logits_to_keep)."""
+    n_all = sum(p.numel() for p in model.parameters())
+    n_emb = model.get_input_embeddings().weight.numel()
+    return n_all, n_emb
+
+
+def exact_fwd_flops(cfg, n_all, n_emb, tied, batches, lens):
+    """Forward matmul FLOPs actually asked for: linear layers on every real token, the LM head on the
+    response positions, attention scores and values (QK^T and AV: 4 d per (query, key) pair, causal)."""
+    n_body = n_all - n_emb * (1 if tied else 2)
+    L, d = cfg.num_hidden_layers, cfg.hidden_size
+    total = 0
+    for b in batches:
+        for i in b:
+            p, r = lens[i]
+            t = p + r
+            total += 2 * n_body * t + 2 * n_emb * (r + 1) + L * 4 * d * t * (t + 1) / 2
+    return total
+
+
+# ----------------------------------------------------------------------------- timing
+
+def make_rows(seed_mod, sub):
+    adv = torch.tensor(np.random.default_rng(0).standard_normal(len(sub)), dtype=torch.float32)
+    return seed_mod.Rows([r["prompt"] for r in sub], [r["response"] for r in sub], adv, torch.ones(len(sub)))
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def time_passes(seed_mod, model, rows, cfg, pad_id, sort):
+    """One no-grad pass (old log-probs) in seed.py's row order or sorted by length -> (seconds, logp)."""
+    lens = [(len(p), len(r)) for p, r in zip(rows.prompts, rows.responses)]
+    idx = by_length(lens, list(range(len(rows)))) if sort else list(range(len(rows)))
+    sub = rows.take(idx)
+    lp, sec = timed(lambda: seed_mod.batch_logprobs(model, sub, pad_id, cfg, torch.device("cpu")))
+    back = [None] * len(rows)
+    for k, i in enumerate(idx):
+        back[i] = lp[k]
+    return sec, back, pass_batches(lens, cfg.micro_batch_size, sort)
+
+
+def time_update(seed_mod, model, opt, rows, cfg, pad_id, sort, seed):
+    """seed.update_policy over the rows (one optimizer step per mini-batch) -> (seconds, batches)."""
+    lens = [(len(p), len(r)) for p, r in zip(rows.prompts, rows.responses)]
+    order = np.random.default_rng([seed, 0, 0]).permutation(len(rows))
+    if sort:   # same mini-batches, micro-batches length-sorted inside each
+        parts = np.array_split(order, max(1, math.ceil(len(rows) / cfg.mini_batch_size)))
+        order = np.concatenate([np.array(by_length(lens, list(p)), dtype=np.int64) for p in parts])
+    _, sec = timed(lambda: seed_mod.update_policy(model, opt, rows, cfg, pad_id, 1, torch.device("cpu"), order))
+    return sec, update_batches(lens, cfg.mini_batch_size, cfg.micro_batch_size, seed, sort)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--episodes", default=None, help="a recorded episodes/update_XXXX.jsonl (default: newest bench run)")
+    ap.add_argument("--rows", type=int, default=16, help="rows (steps) timed; the padding table uses all rows")
+    ap.add_argument("--micro_batch", type=int, default=8, help="rows per forward (seed.py --micro_batch_size)")
+    ap.add_argument("--mini_batch", type=int, default=256, help="rows per optimizer step (seed.py --mini_batch_size)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max_wait", type=int, default=180, help="seconds to wait for a quiet machine")
+    args = ap.parse_args(argv)
+
+    import rollout
+    import seed as seed_mod
+    episodes = args.episodes or common.latest_episodes()
+    if not episodes:
+        sys.exit("no recorded episodes: run bench/update_cost.py first (it records runs under .cache/bench/runs), "
+                 "or pass --episodes runs/<name>/episodes/update_XXXX.jsonl")
+    model, tok, _ = rollout.load_model(rollout.EMBEDDED)
+    rows = common.replay_rows(episodes, tok)
+    print(f"[bench] {len(rows)} rows replayed from {episodes}", flush=True)
+
+    load = common.wait_quiet(max_wait_s=args.max_wait)
+    peaks = [(common.matmul_peak(torch.float32), common.matmul_peak(torch.bfloat16))]
+
+    pad_rows = padding_table(rows, args.mini_batch, args.micro_batch, args.seed)
+    sub = [rows[i] for i in sorted(np.random.default_rng(args.seed).choice(len(rows), min(args.rows, len(rows)),
+                                                                             replace=False))]
+    lens = [(len(r["prompt"]), len(r["response"])) for r in sub]
+    T = sum(p + r for p, r in lens)
+    cfg = seed_mod.Config(algo="seed", micro_batch_size=args.micro_batch, mini_batch_size=args.mini_batch)
+    n_all, n_emb = flop_counts(model)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    trows = make_rows(seed_mod, sub)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    pad_id = tok.pad_token_id
+
+    # warm-up: one micro-batch forward (oneDNN / allocator first-use costs are not the step's)
+    seed_mod.batch_logprobs(model, trows.take(list(range(min(2, len(trows))))), pad_id, cfg, torch.device("cpu"))
+    results = []
+    for sort in (False, True):
+        sec_p, lp, pb = time_passes(seed_mod, model, trows, cfg, pad_id, sort)
+        trows.old, trows.ref, trows.skill = lp, lp, lp
+        sec_u, ub = time_update(seed_mod, model, opt, trows, cfg, pad_id, sort, args.seed)
+        results.append({"sort": sort, "pass_s": sec_p, "update_s": sec_u,
+                        "pass_flops": 2 * n_all * T / sec_p, "update_flops": 6 * n_all * T / sec_u,
+                        "pass_exact": exact_fwd_flops(model.config, n_all, n_emb, tied, pb, lens) / sec_p,
+                        "update_exact": 3 * exact_fwd_flops(model.config, n_all, n_emb, tied, ub, lens) / sec_u,
+                        "pass_waste": layout_waste(lens, pb), "update_waste": layout_waste(lens, ub)})
+    peaks.append((common.matmul_peak(torch.float32), common.matmul_peak(torch.bfloat16)))   # load drifts: best of both
+    (peak32, n32), (peak16, n16) = max((p[0] for p in peaks)), max((p[1] for p in peaks))
+    print(f"[bench] matmul peaks before/after: {[(round(a[0] / 1e9, 1), round(b[0] / 1e9, 1)) for a, b in peaks]} GFLOP/s")
+    report(args, episodes, rows, sub, T, n_all, n_emb, load, (peak32, n32), (peak16, n16), pad_rows, results)
+
+
+def report(args, episodes, rows, sub, T, n_all, n_emb, load, p32, p16, pad_rows, results):
+    (peak32, n32), (peak16, n16) = p32, p16
+    m = common.machine()
+    G = 1e9
+    pl = [len(r["prompt"]) for r in rows]
+    rl = [len(r["response"]) for r in rows]
+    print(f"\nmachine: {m['cpu']}, {m['cores']} cores ({m['flags']}), torch {m['torch']} ({m['torch_threads']} threads), "
+          f"1-min load at start {load}, now {m['load_1min']}")
+    print(f"rows: {len(rows)} from {os.path.relpath(episodes, common.ROOT)}; prompt tokens mean {np.mean(pl):.0f} "
+          f"(min {min(pl)}, max {max(pl)}); response tokens mean {np.mean(rl):.0f} (min {min(rl)}, max {max(rl)})")
+    print(f"params N = {n_all / 1e6:.1f}M ({n_emb / 1e6:.1f}M embedding, tied LM head)")
+    print(f"\nmatmul peak (best of 5, measured before and after the step): fp32 {peak32 / G:.1f} GFLOP/s (n={n32}), "
+          f"bf16 {peak16 / G:.1f} GFLOP/s (n={n16})")
+    print(f"\npadding waste, all {len(rows)} rows, micro-batch {args.micro_batch}, mini-batch {args.mini_batch}:")
+    print(f"| micro-batches of | seed.py order | length-sorted |\n|---|---|---|")
+    for name, before, after in pad_rows:
+        print(f"| {name} | {before:.2f} | {after:.2f} |")
+    print(f"\ntimed on {len(sub)} of those rows ({T} real tokens), fp32 training (the CPU dtype):")
+    print("| phase | order | seconds | padding waste | GFLOP/s (issue count) | / fp32 peak | / bf16 peak "
+          "| GFLOP/s (exact matmul count) |\n|---|---|---|---|---|---|---|---|")
+    for r in results:
+        order = "length-sorted" if r["sort"] else "seed.py"
+        for ph, k in (("no-grad pass (2NT)", "pass"), ("update fwd+bwd+AdamW (6NT)", "update")):
+            f = r[f"{k}_flops"]
+            print(f"| {ph} | {order} | {r[f'{k}_s']:.1f} | {r[f'{k}_waste']:.2f} | {f / G:.1f} | {f / peak32:.2f} "
+                  f"| {f / peak16:.2f} | {r[f'{k}_exact'] / G:.1f} |")
+    best = max(r["update_flops"] for r in results)
+    print(f"\ntraining-step FLOP/s / bf16 matmul peak: {best / peak16:.2f}  (fp32 peak: {best / peak32:.2f})")
+
+
+if __name__ == "__main__":
+    main()

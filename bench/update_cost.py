@@ -1,0 +1,215 @@
+"""SEED's cost over GRPO per update (Algorithm 1): seconds per phase, from seed.py's own timings
+(`sec/*` in runs/<name>/metrics.jsonl), for `--algo seed` and `--algo grpo` on the same config and seed,
+with the embedded model (SmolLM2-135M-Instruct) on generated ALFWorld games, and their ratio.
+
+Each run is seed.py itself in a child process (`seed.main`), with its phase functions wrapped to also
+record each phase's peak resident memory (Linux VmHWM, reset before the phase). Both runs play the same
+tasks with the same sampling seed, so their first update collects the same episodes. The ratio counts the
+timed updates (the first is a warm-up when --updates > 1) and excludes engine start-up and evaluation.
+
+    .venv/bin/python bench/update_cost.py                              # base model, small config
+    .venv/bin/python bench/update_cost.py --init runs/sft-alfworld --updates 2 -- --max_steps 8
+Arguments after `--` go to both seed.py runs unchanged.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
+
+PHASES = [("collect", "rollout"), ("analyze", "analysis"), ("logprobs", "log-prob passes (old + ref)"),
+          ("rescore", "log-prob pass (skill context)"), ("update", "update (fwd+bwd+AdamW)"), ("push", "weight push")]
+
+
+# ----------------------------------------------------------------------------- proposed changes to seed.py
+
+def row_len(prompt, response):
+    return (len(prompt), len(response))
+
+
+def proposed(seed):
+    """The structural fixes this benchmark measures, applied to seed.py at run time (--proposed):
+    1. no-grad passes (old / ref): micro-batches of length-sorted rows (results put back in row order);
+    2. skill re-scoring: only the rows that have a skill, length-sorted over the whole batch, not per chunk
+       of micro_batch_size rows (rows without a skill are masked out of OPD by has_skill, so their lp_skill
+       is never used; here they get zeros);
+    3. update: inside each mini-batch, micro-batches of length-sorted rows (same rows per optimizer step,
+       same token-mean gradient; only the padding changes)."""
+    import numpy as np
+    import opd
+    import torch
+    plain_logprobs, plain_update = seed.batch_logprobs, seed.update_policy
+
+    def batch_logprobs(model, rows, pad_id, cfg, device):
+        order = sorted(range(len(rows)), key=lambda i: row_len(rows.prompts[i], rows.responses[i]))
+        lp = plain_logprobs(model, rows.take(order), pad_id, cfg, device)
+        out = [None] * len(rows)
+        for k, i in enumerate(order):
+            out[i] = lp[k]
+        return out
+
+    @torch.no_grad()
+    def rescore_rows(model, tokenizer, steps, skills, cfg, device):
+        out = [torch.zeros(len(s.response_ids)) for s in steps]
+        idx = [i for i, k in enumerate(skills) if k]
+        if not idx:
+            return out
+        prompts = {i: opd.skill_prompt_ids(tokenizer, steps[i], skills[i], cfg.env) for i in idx}
+        idx.sort(key=lambda i: row_len(prompts[i], steps[i].response_ids))
+        for b in range(0, len(idx), cfg.micro_batch_size):
+            mb = idx[b:b + cfg.micro_batch_size]
+            with seed.autocast(device, seed.resolved_dtype(cfg)):
+                lp, _, _ = seed.grpo.response_logprobs(model, [prompts[i] for i in mb],
+                                                       [steps[i].response_ids for i in mb], tokenizer.pad_token_id)
+            for k, i in enumerate(mb):
+                out[i] = lp[k, :len(steps[i].response_ids)].detach().float().cpu().clone()
+        return out
+
+    def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, progress=False):
+        order = np.arange(len(rows)) if order is None else np.asarray(order, dtype=np.int64)
+        n_mb = max(1, int(np.ceil(seed.all_sum(len(rows)) / cfg.mini_batch_size)))
+        parts = np.array_split(order, n_mb)       # the same split update_policy makes
+        key = lambda i: row_len(rows.prompts[i], rows.responses[i])
+        order = np.concatenate([np.array(sorted(p.tolist(), key=key), dtype=np.int64) for p in parts])
+        return plain_update(model, opt, rows, cfg, pad_id, world, device, order, progress)
+
+    seed.batch_logprobs, seed.rescore_rows, seed.update_policy = batch_logprobs, rescore_rows, update_policy
+
+
+# ----------------------------------------------------------------------------- the child: seed.py, instrumented
+
+def child(run_dir, argv):
+    """Run seed.main(argv) with per-phase peak-RSS probes; write <run_dir>/bench_memory.json."""
+    import analyzer
+    import rollout
+    import seed
+    if "--bench_proposed" in argv:
+        argv = [a for a in argv if a != "--bench_proposed"]
+        proposed(seed)
+    mem = []
+
+    def probe(name, fn):
+        def wrapper(*a, **k):
+            common.reset_peak_rss()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            mem.append({"phase": name, "peak_mb": common.peak_rss_mb(), "sec": time.perf_counter() - t})
+            return out
+        return wrapper
+
+    rollout.collect = probe("collect", rollout.collect)
+    analyzer.analyze = probe("analyze", analyzer.analyze)
+    seed.batch_logprobs = probe("logprobs", seed.batch_logprobs)
+    seed.rescore_rows = probe("rescore", seed.rescore_rows)
+    seed.update_policy = probe("update", seed.update_policy)
+    seed.push = probe("push", seed.push)
+    try:
+        seed.main(argv)
+    finally:
+        with open(os.path.join(run_dir, "bench_memory.json"), "w") as f:
+            json.dump(mem, f)
+
+
+# ----------------------------------------------------------------------------- the parent
+
+def run_algo(algo, args, extra):
+    run_dir = os.path.join(common.BENCH_CACHE, "runs", f"{args.name}-{algo}" + ("-proposed" if args.proposed else ""))
+    if os.path.exists(run_dir):
+        import shutil
+        shutil.rmtree(run_dir)
+    argv = ["--env", "alfworld", "--data_dir", common.games_dir(), "--algo", algo, "--init", args.init,
+            "--seed", str(args.seed), "--updates", str(args.updates), "--tasks_per_update", str(args.tasks),
+            "--group_size", str(args.group_size), "--max_steps", str(args.max_steps),
+            "--max_tokens", str(args.max_tokens), "--analyzer_max_tokens", str(args.analyzer_max_tokens),
+            "--micro_batch_size", str(args.micro_batch), "--engine", args.engine, "--eval_every", "0",
+            "--save_every", "1000", "--out", run_dir, *extra] + (["--bench_proposed"] if args.proposed else [])
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
+    print(f"[bench] seed.py {' '.join(argv)}", flush=True)
+    t = time.perf_counter()
+    p = subprocess.run([common.PY, os.path.abspath(__file__), "--child", run_dir, "--", *argv], cwd=common.ROOT, env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t
+    with open(os.path.join(run_dir, "bench_stdout.log"), "w") as f:
+        f.write(p.stdout)
+    if p.returncode != 0:
+        sys.exit(f"seed.py --algo {algo} failed (exit {p.returncode}); last output:\n{p.stdout[-3000:]}")
+    lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if x.strip()]
+    mem = json.load(open(os.path.join(run_dir, "bench_memory.json")))
+    return {"lines": lines, "mem": mem, "wall": wall, "run_dir": run_dir}
+
+
+def phase_seconds(lines, skip_first):
+    """Mean seconds per phase over the timed updates (sec/* from seed.py's metrics.jsonl)."""
+    timed = lines[1:] if skip_first and len(lines) > 1 else lines
+    keys = [k for k, _ in PHASES] + ["total"]
+    out = {k: sum(m.get(f"sec/{k}", 0.0) for m in timed) / len(timed) for k in keys}
+    out["other"] = out["total"] - sum(out[k] for k, _ in PHASES)
+    return out, len(timed)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        return child(argv[1], argv[3:])
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--init", default="", help="Stage-1 checkpoint for both runs ('' = the base model)")
+    ap.add_argument("--updates", type=int, default=1, help="updates per run (the first is skipped when > 1)")
+    ap.add_argument("--tasks", type=int, default=2, help="tasks per update (B)")
+    ap.add_argument("--group_size", type=int, default=4, help="episodes per task (N)")
+    ap.add_argument("--max_steps", type=int, default=4)
+    ap.add_argument("--max_tokens", type=int, default=64, help="response tokens per turn")
+    ap.add_argument("--analyzer_max_tokens", type=int, default=128)
+    ap.add_argument("--micro_batch", type=int, default=8)
+    ap.add_argument("--engine", default="vllm")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default="update_cost", help="run folders: .cache/bench/runs/<name>-<algo>")
+    ap.add_argument("--proposed", action="store_true", help="apply the proposed seed.py changes (see `proposed`)")
+    ap.add_argument("--max_wait", type=int, default=180, help="seconds to wait for a quiet machine")
+    args = ap.parse_args(argv)
+
+    load = common.wait_quiet(max_wait_s=args.max_wait)
+    res = {algo: run_algo(algo, args, extra) for algo in ("grpo", "seed")}
+    report(args, extra, load, res)
+
+
+def report(args, extra, load, res):
+    m = common.machine()
+    sec = {a: phase_seconds(r["lines"], args.updates > 1) for a, r in res.items()}
+    n_timed = sec["seed"][1]
+    last = res["seed"]["lines"][-1]
+    print(f"\nmachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, vllm {m['vllm']}, "
+          f"transformers {m['transformers']}; 1-min load at start {load}, now {m['load_1min']}")
+    print(f"config: alfworld (generated games), init {args.init or 'base model (no SFT)'}, B={args.tasks} x N={args.group_size}, "
+          f"max_steps {args.max_steps}, max_tokens {args.max_tokens}, analyzer_max_tokens {args.analyzer_max_tokens}, "
+          f"micro_batch {args.micro_batch}, engine {args.engine} {' '.join(extra)}; "
+          f"{'PROPOSED seed.py changes applied; ' if args.proposed else 'seed.py as is; '}"
+          f"{n_timed} timed update(s) of {args.updates}")
+    for a, r in res.items():
+        l = r["lines"][-1]
+        print(f"  {a}: rows {l.get('rows')}, tokens {l.get('tokens')}, mean length {l.get('length', 0):.2f}, "
+              f"success {l.get('success', 0):.2f}" + (f", skill rate {l.get('skill_rate', 0):.2f}, parse failures "
+                                                      f"{l.get('parse_failure_rate', 0):.2f}" if a == "seed" else ""))
+    print("\n| phase | grpo s | seed s | seed - grpo s |\n|---|---|---|---|")
+    for k, name in PHASES + [("other", "other (rows, advantages, records)"), ("total", "update total")]:
+        g, s = sec["grpo"][0][k], sec["seed"][0][k]
+        print(f"| {name} | {g:.1f} | {s:.1f} | {s - g:+.1f} |")
+    print("\npeak RSS per phase (MiB, last update):\n| phase | grpo | seed |\n|---|---|---|")
+    for k, name in PHASES:
+        row = []
+        for a in ("grpo", "seed"):
+            seen = [x["peak_mb"] for x in res[a]["mem"] if x["phase"] == k]
+            row.append(f"{seen[-1]:.0f}" if seen else "-")
+        print(f"| {name} | {row[0]} | {row[1]} |")
+    ratio = sec["seed"][0]["total"] / sec["grpo"][0]["total"]
+    print(f"\nseed/grpo update time: {ratio:.2f}")
+    return ratio, last
+
+
+if __name__ == "__main__":
+    main()
