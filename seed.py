@@ -263,12 +263,12 @@ def autocast(device, dtype):
     return contextlib.nullcontext()
 
 
-def chunked(n, size, fsdp):
-    """Index chunks [0:size], [size:2 size], ... Under FSDP every rank must run the same number of
-    forwards (each one all-gathers the shards), so the chunk count is the max over ranks and the missing
-    chunks are None (the caller runs a throw-away forward)."""
+def chunked(n, size, same_count):
+    """Index chunks [0:size], [size:2 size], ... With same_count every rank gets the same number of chunks
+    (the max over ranks; the missing ones are None and the caller runs a throw-away forward): FSDP
+    all-gathers shards in every forward, and DDP reduces gradients in the last backward of a step."""
     count = math.ceil(n / size)
-    if fsdp:
+    if same_count:
         count = int(all_max(count))
     return [list(range(i * size, min(n, (i + 1) * size))) if i * size < n else None for i in range(count)]
 
@@ -402,7 +402,7 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, prog
         part = sorted(part.tolist(), key=lambda i: len(rows.prompts[i]) + len(rows.responses[i]))  # less padding
         mbrows = rows.take(part)
         n_tok = all_sum(sum(len(r) for r in mbrows.responses))
-        micros = chunked(len(mbrows), cfg.micro_batch_size, fsdp=True)   # same count on every rank (DDP too)
+        micros = chunked(len(mbrows), cfg.micro_batch_size, same_count=True)
         opt.zero_grad(set_to_none=True)
         for k, idx in enumerate(micros):
             with grad_sync(model, k == len(micros) - 1):
@@ -454,6 +454,17 @@ def make_rows(episodes, steps, penalty, cfg):
     return Rows([list(s.prompt_ids) for s in steps], [list(s.response_ids) for s in steps], adv, has), ep_of
 
 
+def analyze(engine, tok, episodes, cfg, progress, chunk=32):
+    """Section 3.2: the snapshot analyzes every episode (greedy, retries on a parse failure), `chunk`
+    episodes per batched call. -> {"episodes", "parse_failures"} summed over the chunks."""
+    stats = {"episodes": 0, "parse_failures": 0}
+    for i in tqdm(range(0, len(episodes), chunk), desc="analyze", disable=not progress, leave=False):
+        st = analyzer.analyze(engine, tok, episodes[i:i + chunk], max_tokens=cfg.analyzer_max_tokens,
+                              retries=cfg.analyzer_retries)
+        stats = {k: stats[k] + st[k] for k in stats}
+    return stats
+
+
 def library_skills(library, env, env_name, task_ids):
     """One library skill per task (reset an env once to read the task text and family)."""
     out = []
@@ -483,8 +494,7 @@ def rl_update(u, S):
     t = time.time()
     stats = {}
     if cfg.algo in LIVE_ANALYZER:
-        stats = analyzer.analyze(S["engine"], S["tok"], episodes, max_tokens=cfg.analyzer_max_tokens,
-                                 retries=cfg.analyzer_retries) or {}
+        stats = analyze(S["engine"], S["tok"], episodes, cfg, main_rank)
     elif cfg.algo == "static_skills":
         for ep in episodes:
             ep.skill = S["library"].retrieve(cfg.env, ep.family, ep.task)
@@ -626,6 +636,7 @@ def plot_curves(run_dir, lines):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     if not lines:
         return
     u = [m["update"] for m in lines]
@@ -646,6 +657,8 @@ def plot_curves(run_dir, lines):
     ax[1, 1].fill_between(u, gm - gs, gm + gs, alpha=0.3, label="+- std")
     ax[1, 1].set(title="OPD gate g", xlabel="update", ylim=(-0.05, 1.05))
     ax[1, 1].legend(fontsize=8)
+    for a in ax.flat:
+        a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "curves.png"), dpi=90)

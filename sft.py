@@ -206,7 +206,7 @@ def finetune(cfg, examples, rank, world, device):
             batch = [examples[i] for i in order[s * cfg.batch_size:(s + 1) * cfg.batch_size]][rank::world]
             n_tok = seed.all_sum(sum(len(c) for _, c in batch))
             opt.zero_grad(set_to_none=True)
-            micros, total = seed.chunked(len(batch), cfg.micro_batch_size, fsdp=True), 0.0
+            micros, total = seed.chunked(len(batch), cfg.micro_batch_size, same_count=True), 0.0
             for k, idx in enumerate(micros):
                 mb = [batch[i] for i in idx] if idx else examples[:1]       # filler: weight 0
                 with seed.grad_sync(wrapped, k == len(micros) - 1), seed.autocast(device, seed.resolved_dtype(cfg)):
