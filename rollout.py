@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -179,6 +180,15 @@ def load_weights_into_vllm(llm, named_tensors, tied):
     llm.reset_prefix_cache()  # cached prompt blocks hold keys/values computed with the old weights
 
 
+def shield_llvmlite():
+    """vLLM's start-up scans the objects of every loaded module with `vars(obj).get(...)`. llvmlite's lazy
+    `ffi.lib` (loaded with numba, e.g. by bm25s for the skill library and the retriever) answers the
+    `__dict__` lookup with a C-function wrapper, and the scan crashes. Give it a real (empty) answer."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None and isinstance(getattr(ffi.lib, "_fntab", None), dict):
+        ffi.lib._fntab.setdefault("__dict__", {})
+
+
 class VLLMEngine:
     """vLLM colocated with the trainer: one engine per rank, tensor parallel 1, external launcher."""
 
@@ -191,6 +201,7 @@ class VLLMEngine:
         # The CPU worker replaces torch.set_num_threads with a no-op; the trainer shares this process.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))  # or vLLM drops torch to 1 thread
+        shield_llvmlite()
         from vllm import LLM
         from vllm.platforms import current_platform
         self.on_cpu = current_platform.is_cpu()

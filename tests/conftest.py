@@ -98,7 +98,10 @@ def tokenizer(model_path):
 
 @pytest.fixture(scope="session")
 def vllm_engine(model_path):
-    """The session's one float32 vLLM engine. Tests that change its weights must push them back."""
+    """The session's one float32 vLLM engine. Tests that change its weights must push them back.
+    bm25s (numba, llvmlite) is imported first, as in a training process that uses the skill library or
+    the retriever: vLLM's start-up scan used to crash on llvmlite (see rollout.shield_llvmlite)."""
+    import bm25s  # noqa: F401
     return rollout.make_engine("vllm", model_path, dtype="float32", seed=0, max_model_len=2048)
 
 
