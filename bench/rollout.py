@@ -84,12 +84,27 @@ def rollout_share(engine, tok, envs_, n_episodes, group, max_tokens):
     eps = rollout.collect(timed, TimedTokenizer(tok), [TimedEnv(e) for e in envs_[:n_episodes]], tasks, group,
                           temperature=1.0, max_tokens=max_tokens, progress=False)
     wall = time.perf_counter() - t
+    record(eps, n_episodes, envs_[0], max_tokens)
     parts = dict(CLOCK)
     parts["env.prompt + chat template"] = parts.pop("env.prompt", 0.0) + parts.pop("chat_ids", 0.0)
     parts["other (records, bookkeeping)"] = wall - sum(parts.values())
     return {"episodes": n_episodes, "wall": wall, "share": CLOCK["engine.generate"] / wall, "parts": parts,
             "turns": COUNT["engine.generate"], "steps": sum(e.length for e in eps),
             "prompt_tokens": timed.prompt_tokens, "new_tokens": timed.new_tokens, "peak_mb": common.peak_rss_mb()}
+
+
+def record(eps, n, env, max_tokens):
+    """Keep the episodes as a run folder in seed.py's format (config.json + episodes/update_0000.jsonl), so
+    bench/train_step.py can replay their rows (realistic prompt and response lengths)."""
+    import json
+    import seed
+    run = os.path.join(common.BENCH_CACHE, "runs", f"rollout-{n}")
+    os.makedirs(os.path.join(run, "episodes"), exist_ok=True)
+    cfg = {"env": "alfworld", "data_dir": common.games_dir(), "history_length": env.history_length,
+           "max_steps": env.max_steps, "max_tokens": max_tokens, "max_prompt_tokens": 2048}
+    json.dump(cfg, open(os.path.join(run, "config.json"), "w"))
+    with open(os.path.join(run, "episodes", "update_0000.jsonl"), "w") as f:
+        f.writelines(json.dumps(seed.episode_record(ep)) + "\n" for ep in eps)
 
 
 def engine_speed(engine, prompts, max_tokens):
@@ -106,7 +121,7 @@ def engine_speed(engine, prompts, max_tokens):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--episodes", type=int, nargs="+", default=[32, 128], help="episodes in flight (one collect each)")
+    ap.add_argument("--episodes", type=int, nargs="*", default=[32, 128], help="episodes in flight (one collect each; none: engine speed only)")
     ap.add_argument("--group_size", type=int, default=8, help="episodes per task (the paper's N)")
     ap.add_argument("--max_steps", type=int, default=2, help="turns per episode")
     ap.add_argument("--max_tokens", type=int, default=48, help="response tokens per turn")
@@ -129,7 +144,7 @@ def main(argv=None):
     t = time.perf_counter()
     engine = rollout.make_engine("vllm", path, dtype="float32", seed=0, max_model_len=2048 + args.max_tokens)
     mem["vLLM engine start"] = (common.peak_rss_mb(), time.perf_counter() - t)
-    n_env = max(args.episodes)
+    n_env = max(args.episodes + [args.speed_prompts])
     env_list = [envs.make("alfworld", split="train", data_dir=data, history_length=args.history_length,
                           max_steps=args.max_steps) for _ in range(n_env)]
     shares = []
@@ -162,9 +177,10 @@ def report(args, load, shares, speed, mem, prompts):
     print(f"ALFWorld (generated games), group size {args.group_size}, {args.max_steps} turns, "
           f"{args.max_tokens} tokens per response, history {args.history_length}, float32\n")
     names = sorted({k for s in shares for k in s["parts"]}, key=lambda k: (k != "engine.generate", k))
-    print("| episodes | wall s | engine share | " + " | ".join(f"{k} s" for k in names if k != "engine.generate")
-          + " | turns | prompt tok | new tok |")
-    print("|---" * (len(names) + 6) + "|")
+    if shares:
+        print("| episodes | wall s | engine share | " + " | ".join(f"{k} s" for k in names if k != "engine.generate")
+              + " | turns | prompt tok | new tok |")
+        print("|---" * (len(names) + 6) + "|")
     for s in shares:
         print(f"| {s['episodes']} | {s['wall']:.1f} | {s['share']:.3f} | "
               + " | ".join(f"{s['parts'].get(k, 0.0):.2f}" for k in names if k != "engine.generate")
