@@ -172,6 +172,9 @@ def library_path(cfg):
 
 # ----------------------------------------------------------------------------- distributed
 
+OWN_GROUP = []
+
+
 def setup_dist(seed):
     """torchrun -> one process group (nccl on GPU, gloo on CPU); plain python -> world of one.
     -> (rank, world, device). Seeds python/numpy/torch with seed + rank."""
@@ -183,6 +186,7 @@ def setup_dist(seed):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             device = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
+        OWN_GROUP.append(True)   # ours to destroy at the end (not a group an engine made in this process)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         if torch.cuda.is_available():
@@ -613,6 +617,7 @@ def run_eval(S, with_skill=False):
 def episode_record(ep):
     return {"task_id": ep.task_id, "group_id": ep.group_id, "env": ep.env, "task": ep.task, "family": ep.family,
             "won": ep.won, "reward": ep.reward, "length": ep.length, "summary": ep.summary, "skill": ep.skill,
+            "first_prompt": ep.steps[0].prompt_text if ep.steps else "",   # what the actor saw at step 1
             "steps": [{"observation": s.observation, "response": s.response_text, "action": s.action,
                        "valid": s.valid} for s in ep.steps]}
 
@@ -821,7 +826,9 @@ def summary_line(m):
 def finish(S):
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        if OWN_GROUP:
+            dist.destroy_process_group()
+            OWN_GROUP.clear()
     if S["rank"] == 0:
         print(f"[seed] done: {os.path.join(S['run_dir'], 'metrics.jsonl')}, "
               f"{os.path.join(S['run_dir'], 'curves.png')}, {os.path.join(S['run_dir'], 'checkpoint')}", flush=True)

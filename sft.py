@@ -252,8 +252,9 @@ def main(argv=None):
     model, tok, log = finetune(cfg, examples, rank, world, device)
     save(cfg, model, tok, episodes, labels, log, rank, world,
          {"sec/collect": t_collect, "sec/annotate": t_annotate, "sec/total": time.time() - t0})
-    if dist.is_initialized():
+    if dist.is_initialized() and seed.OWN_GROUP:
         dist.destroy_process_group()
+        seed.OWN_GROUP.clear()
 
 
 def save(cfg, model, tok, episodes, labels, log, rank, world, times):

@@ -10,8 +10,9 @@ of the model's own log-probs. The optimizer is SGD (AdamW's first step is invari
 scale, so it would hide a wrong token normalization). mini_batch_size 4 -> 2 optimizer steps, and the
 interleaved split (rank r: rows r, r+2, ...; its first half, then its second half) makes every global
 mini-batch the same set of rows in all three set-ups.
-Writes a fingerprint of the parameter change (per tensor: sum, norm and every 997th element) and the
-grad norms; on each rank, and the max difference of rank 1's parameters from rank 0's.
+Writes a fingerprint of the parameter change (per tensor: sum, norm and every 997th element), the grad
+norms, and the max difference of rank 1's parameters from rank 0's; under torchrun also the run
+checkpoint (seed.save_checkpoint) next to OUT.json.
 """
 import json
 import os
@@ -66,6 +67,11 @@ def main():
             dist.broadcast(t, src=0)
             rank_diff = max(rank_diff, float((t - after[k].detach().cpu()).abs().max()))
         rank_diff = seed.all_max(rank_diff)
+    if world > 1:   # the run checkpoint (HF folder + trainer state) written from the wrapped model
+        import numpy as np
+        S = dict(model=wrapped, opt=opt, tok=tok, rank=rank, world=world, run_dir=os.path.dirname(out),
+                 data_rng=np.random.default_rng(0), engine=None)
+        seed.save_checkpoint(S, 1)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world": world, "fsdp": fsdp, "grad_norms": norms, "sums": sums, "fingerprint": fp,
