@@ -73,26 +73,31 @@ def wait_quiet(max_load=2.5, max_wait_s=180, poll_s=60):
 
 
 def matmul_peak(dtype, n_max=2048, reps=5, budget_s=1.0):
-    """Best-of-`reps` FLOP/s of torch.matmul on [n, n] x [n, n] in `dtype`, all torch threads. n doubles from
-    256 up to n_max while one product takes under budget_s (a CPU without native bf16 runs bf16 matmul
-    through a slow fallback at well under 1 GFLOP/s: there 2048^3 would take a minute per product).
-    -> (FLOP/s, n used)."""
+    """Best-of-`reps` FLOP/s of torch.matmul on [n, n] x [n, n] in `dtype`, all torch threads, per second of
+    wall time and per second of process CPU time (all threads together; robust to other processes taking
+    the cores). n doubles from 256 up to n_max while one product takes under budget_s (a CPU without native
+    bf16 runs bf16 matmul through a slow fallback at ~1 GFLOP/s: there 2048^3 would take a minute).
+    -> (wall FLOP/s, CPU FLOP/s, n)."""
     n = 256
     while True:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         torch.matmul(a, b)                                    # warm-up (kernel selection, packing)
-        t = time.perf_counter()
-        torch.matmul(a, b)
-        one = time.perf_counter() - t
+        (one, one_cpu) = clock(lambda: torch.matmul(a, b))[1:]
         if n >= n_max or one * 8 > budget_s:                 # the next size would take 8x longer
             break
         n *= 2
-    best = one
+    best, best_cpu = one, one_cpu
     for _ in range(reps - 1):
-        t = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best, n
+        _, w, c = clock(lambda: torch.matmul(a, b))
+        best, best_cpu = min(best, w), min(best_cpu, c)
+    return 2 * n ** 3 / best, 2 * n ** 3 / best_cpu, n
+
+
+def clock(fn):
+    """-> (fn(), wall seconds, process CPU seconds over all threads)."""
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
 
 
 # ----------------------------------------------------------------------------- memory

@@ -101,33 +101,35 @@ def make_rows(seed_mod, sub):
     return seed_mod.Rows([r["prompt"] for r in sub], [r["response"] for r in sub], adv, torch.ones(len(sub)))
 
 
-def timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
+LAYOUTS = ("seed.py", "length-sorted")   # --one_row adds "one row": a forward per row, no padding at all (what
+                                         # packing buys, without a varlen attention kernel)
 
 
-def time_passes(seed_mod, model, rows, cfg, pad_id, sort):
-    """One no-grad pass (old log-probs) in seed.py's row order or sorted by length -> (seconds, logp)."""
+def time_pass(seed_mod, model, rows, cfg, pad_id, layout):
+    """One no-grad pass (old log-probs) -> (seconds, log-probs in row order, micro-batches used)."""
     lens = [(len(p), len(r)) for p, r in zip(rows.prompts, rows.responses)]
-    idx = by_length(lens, list(range(len(rows)))) if sort else list(range(len(rows)))
-    sub = rows.take(idx)
-    lp, sec = timed(lambda: seed_mod.batch_logprobs(model, sub, pad_id, cfg, torch.device("cpu")))
+    idx = list(range(len(rows))) if layout == "seed.py" else by_length(lens, list(range(len(rows))))
+    mb = 1 if layout == "one row" else cfg.micro_batch_size
+    c = seed_mod.Config(**{**cfg.__dict__, "micro_batch_size": mb})
+    lp, sec, cpu = common.clock(lambda: seed_mod.batch_logprobs(model, rows.take(idx), pad_id, c, torch.device("cpu")))
     back = [None] * len(rows)
     for k, i in enumerate(idx):
         back[i] = lp[k]
-    return sec, back, pass_batches(lens, cfg.micro_batch_size, sort)
+    return (sec, cpu), back, chunks(idx, mb)
 
 
-def time_update(seed_mod, model, opt, rows, cfg, pad_id, sort, seed):
-    """seed.update_policy over the rows (one optimizer step per mini-batch) -> (seconds, batches)."""
+def time_update(seed_mod, model, opt, rows, cfg, pad_id, layout, seed):
+    """seed.update_policy over the rows (one AdamW step per mini-batch) -> (seconds, micro-batches used).
+    Sorted layouts sort inside each mini-batch: same rows per optimizer step, same gradient."""
     lens = [(len(p), len(r)) for p, r in zip(rows.prompts, rows.responses)]
     order = np.random.default_rng([seed, 0, 0]).permutation(len(rows))
-    if sort:   # same mini-batches, micro-batches length-sorted inside each
+    mb = 1 if layout == "one row" else cfg.micro_batch_size
+    c = seed_mod.Config(**{**cfg.__dict__, "micro_batch_size": mb})
+    if layout != "seed.py":
         parts = np.array_split(order, max(1, math.ceil(len(rows) / cfg.mini_batch_size)))
         order = np.concatenate([np.array(by_length(lens, list(p)), dtype=np.int64) for p in parts])
-    _, sec = timed(lambda: seed_mod.update_policy(model, opt, rows, cfg, pad_id, 1, torch.device("cpu"), order))
-    return sec, update_batches(lens, cfg.mini_batch_size, cfg.micro_batch_size, seed, sort)
+    _, sec, cpu = common.clock(lambda: seed_mod.update_policy(model, opt, rows, c, pad_id, 1, torch.device("cpu"), order))
+    return (sec, cpu), update_batches(lens, cfg.mini_batch_size, mb, seed, layout != "seed.py")
 
 
 # ----------------------------------------------------------------------------- main
@@ -138,6 +140,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=16, help="rows (steps) timed; the padding table uses all rows")
     ap.add_argument("--micro_batch", type=int, default=8, help="rows per forward (seed.py --micro_batch_size)")
     ap.add_argument("--mini_batch", type=int, default=256, help="rows per optimizer step (seed.py --mini_batch_size)")
+    ap.add_argument("--repeats", type=int, default=2, help="timings per layout (interleaved; the best counts)")
+    ap.add_argument("--one_row", action="store_true", help="also time one row per forward (no padding; slow)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max_wait", type=int, default=180, help="seconds to wait for a quiet machine")
     args = ap.parse_args(argv)
@@ -167,26 +171,46 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     pad_id = tok.pad_token_id
 
-    # warm-up: one micro-batch forward (oneDNN / allocator first-use costs are not the step's)
-    seed_mod.batch_logprobs(model, trows.take(list(range(min(2, len(trows))))), pad_id, cfg, torch.device("cpu"))
+    # warm-up: a forward and an optimizer step on two rows (oneDNN kernel choice, allocator, AdamW state)
+    warm = trows.take([0, 1])
+    warm.old = warm.ref = warm.skill = seed_mod.batch_logprobs(model, warm, pad_id, cfg, torch.device("cpu"))
+    seed_mod.update_policy(model, opt, warm, cfg, pad_id, 1, torch.device("cpu"))
+    best = {}
+    for rep in range(args.repeats):          # layouts interleaved; the best of the repeats counts
+        for layout in LAYOUTS + (("one row",) if args.one_row else ()):
+            common.reset_peak_rss()
+            sec_p, lp, pb = time_pass(seed_mod, model, trows, cfg, pad_id, layout)
+            mem_p = common.peak_rss_mb()
+            trows.old, trows.ref, trows.skill = lp, lp, lp
+            common.reset_peak_rss()
+            sec_u, ub = time_update(seed_mod, model, opt, trows, cfg, pad_id, layout, args.seed)
+            mem_u = common.peak_rss_mb()
+            print(f"[bench] repeat {rep} {layout}: pass {sec_p[0]:.1f} s ({sec_p[1]:.1f} CPU s), update {sec_u[0]:.1f} s "
+                  f"({sec_u[1]:.1f} CPU s), load {os.getloadavg()[0]:.2f}", flush=True)
+            r = best.setdefault(layout, {"layout": layout})
+            for k, v in (("pass_s", sec_p[0]), ("pass_cpu", sec_p[1]), ("update_s", sec_u[0]), ("update_cpu", sec_u[1])):
+                r[k] = min(r.get(k, float("inf")), v)
+            r["pass_mb"], r["update_mb"] = mem_p, mem_u
+            r["pass_waste"], r["update_waste"] = layout_waste(lens, pb), layout_waste(lens, ub)
+            r["pass_fwd"] = exact_fwd_flops(model.config, n_all, n_emb, tied, pb, lens)
+            r["update_fwd"] = exact_fwd_flops(model.config, n_all, n_emb, tied, ub, lens)
     results = []
-    for sort in (False, True):
-        sec_p, lp, pb = time_passes(seed_mod, model, trows, cfg, pad_id, sort)
-        trows.old, trows.ref, trows.skill = lp, lp, lp
-        sec_u, ub = time_update(seed_mod, model, opt, trows, cfg, pad_id, sort, args.seed)
-        results.append({"sort": sort, "pass_s": sec_p, "update_s": sec_u,
-                        "pass_flops": 2 * n_all * T / sec_p, "update_flops": 6 * n_all * T / sec_u,
-                        "pass_exact": exact_fwd_flops(model.config, n_all, n_emb, tied, pb, lens) / sec_p,
-                        "update_exact": 3 * exact_fwd_flops(model.config, n_all, n_emb, tied, ub, lens) / sec_u,
-                        "pass_waste": layout_waste(lens, pb), "update_waste": layout_waste(lens, ub)})
+    for r in best.values():
+        r |= {"pass_flops": 2 * n_all * T / r["pass_s"], "update_flops": 6 * n_all * T / r["update_s"],
+              "pass_flops_cpu": 2 * n_all * T / r["pass_cpu"], "update_flops_cpu": 6 * n_all * T / r["update_cpu"],
+              "pass_exact": r["pass_fwd"] / r["pass_s"], "update_exact": 3 * r["update_fwd"] / r["update_s"]}
+        results.append(r)
     peaks.append((common.matmul_peak(torch.float32), common.matmul_peak(torch.bfloat16)))   # load drifts: best of both
-    (peak32, n32), (peak16, n16) = max((p[0] for p in peaks)), max((p[1] for p in peaks))
-    print(f"[bench] matmul peaks before/after: {[(round(a[0] / 1e9, 1), round(b[0] / 1e9, 1)) for a, b in peaks]} GFLOP/s")
-    report(args, episodes, rows, sub, T, n_all, n_emb, load, (peak32, n32), (peak16, n16), pad_rows, results)
+    peak = {k: max(p[i][j] for p in peaks) for k, (i, j) in
+            {"fp32": (0, 0), "fp32_cpu": (0, 1), "bf16": (1, 0), "bf16_cpu": (1, 1)}.items()}
+    peak["n32"], peak["n16"] = peaks[0][0][2], peaks[0][1][2]
+    print(f"[bench] matmul peaks (fp32, bf16) before/after, wall GFLOP/s: "
+          f"{[(round(a[0] / 1e9, 1), round(b[0] / 1e9, 1)) for a, b in peaks]}", flush=True)
+    report(args, episodes, rows, sub, T, n_all, n_emb, load, peak, pad_rows, results)
 
 
-def report(args, episodes, rows, sub, T, n_all, n_emb, load, p32, p16, pad_rows, results):
-    (peak32, n32), (peak16, n16) = p32, p16
+def report(args, episodes, rows, sub, T, n_all, n_emb, load, peak, pad_rows, results):
+    peak32, peak16 = peak["fp32"], peak["bf16"]
     m = common.machine()
     G = 1e9
     pl = [len(r["prompt"]) for r in rows]
@@ -196,23 +220,31 @@ def report(args, episodes, rows, sub, T, n_all, n_emb, load, p32, p16, pad_rows,
     print(f"rows: {len(rows)} from {os.path.relpath(episodes, common.ROOT)}; prompt tokens mean {np.mean(pl):.0f} "
           f"(min {min(pl)}, max {max(pl)}); response tokens mean {np.mean(rl):.0f} (min {min(rl)}, max {max(rl)})")
     print(f"params N = {n_all / 1e6:.1f}M ({n_emb / 1e6:.1f}M embedding, tied LM head)")
-    print(f"\nmatmul peak (best of 5, measured before and after the step): fp32 {peak32 / G:.1f} GFLOP/s (n={n32}), "
-          f"bf16 {peak16 / G:.1f} GFLOP/s (n={n16})")
+    print(f"\nmatmul peak (best of 5, before and after the step): fp32 {peak32 / G:.1f} GFLOP/s (n={peak['n32']}; "
+          f"{peak['fp32_cpu'] / G:.1f} per CPU-second), bf16 {peak16 / G:.1f} GFLOP/s (n={peak['n16']}; "
+          f"{peak['bf16_cpu'] / G:.1f} per CPU-second)")
     print(f"\npadding waste, all {len(rows)} rows, micro-batch {args.micro_batch}, mini-batch {args.mini_batch}:")
     print(f"| micro-batches of | seed.py order | length-sorted |\n|---|---|---|")
     for name, before, after in pad_rows:
         print(f"| {name} | {before:.2f} | {after:.2f} |")
-    print(f"\ntimed on {len(sub)} of those rows ({T} real tokens), fp32 training (the CPU dtype):")
-    print("| phase | order | seconds | padding waste | GFLOP/s (issue count) | / fp32 peak | / bf16 peak "
-          "| GFLOP/s (exact matmul count) |\n|---|---|---|---|---|---|---|---|")
+    print(f"\ntimed on {len(sub)} of those rows ({T} real tokens), fp32 training (the CPU dtype), best of {args.repeats}:")
+    print("| phase | micro-batches | seconds | CPU s | padding waste | peak RSS MiB | GFLOP/s (6NT / 2NT) | / fp32 peak "
+          "| per CPU-s / fp32 peak per CPU-s | / bf16 peak | GFLOP/s (exact count) |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        order = "length-sorted" if r["sort"] else "seed.py"
-        for ph, k in (("no-grad pass (2NT)", "pass"), ("update fwd+bwd+AdamW (6NT)", "update")):
+        for ph, k in (("no-grad pass", "pass"), ("update fwd+bwd+AdamW", "update")):
             f = r[f"{k}_flops"]
-            print(f"| {ph} | {order} | {r[f'{k}_s']:.1f} | {r[f'{k}_waste']:.2f} | {f / G:.1f} | {f / peak32:.2f} "
+            print(f"| {ph} | {r['layout']} | {r[f'{k}_s']:.1f} | {r[f'{k}_cpu']:.1f} | {r[f'{k}_waste']:.2f} "
+                  f"| {r[f'{k}_mb']:.0f} | {f / G:.1f} | {f / peak32:.2f} | {r[f'{k}_flops_cpu'] / peak['fp32_cpu']:.2f} "
                   f"| {f / peak16:.2f} | {r[f'{k}_exact'] / G:.1f} |")
-    best = max(r["update_flops"] for r in results)
-    print(f"\ntraining-step FLOP/s / bf16 matmul peak: {best / peak16:.2f}  (fp32 peak: {best / peak32:.2f})")
+    base = next(r for r in results if r["layout"] == "seed.py")
+    best = max(results, key=lambda r: r["update_flops_cpu"])
+    print(f"\nupdate, '{best['layout']}' vs seed.py's order: {base['update_s'] / best['update_s']:.2f}x wall, "
+          f"{base['update_cpu'] / best['update_cpu']:.2f}x CPU time")
+    print(f"training-step FLOP/s / fp32 matmul peak: {best['update_flops'] / peak32:.2f} wall, "
+          f"{best['update_flops_cpu'] / peak['fp32_cpu']:.2f} per CPU-second (seed.py order: "
+          f"{base['update_flops'] / peak32:.2f}, {base['update_flops_cpu'] / peak['fp32_cpu']:.2f})")
+    print(f"training-step FLOP/s / bf16 matmul peak: {best['update_flops'] / peak16:.2f} (seed.py order: "
+          f"{base['update_flops'] / peak16:.2f})")
 
 
 if __name__ == "__main__":
