@@ -49,14 +49,14 @@ demo() {
   if [ ! -f runs/demo-sft/stage1.json ]; then
     echo "[demo] Stage 1: collect with the base model, scripted analyses, fine-tune the analyzer" >&2
     "$PY" sft.py --env alfworld --model smollm2-135m --out runs/demo-sft \
-      --tasks 8 --k0 2 --max_steps 6 --history_length 2 --max_tokens 64 \
-      --epochs 3 --lr 5e-5 --batch_size 4 --micro_batch_size 2 "$@"
+      --tasks 6 --k0 2 --max_steps 5 --history_length 1 --max_tokens 64 \
+      --epochs 2 --lr 1e-4 --batch_size 2 --micro_batch_size 2
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD)" >&2
   "$PY" seed.py --env alfworld --model smollm2-135m --init runs/demo-sft --algo seed --out runs/demo-seed \
-    --resume --updates 4 --tasks_per_update 2 --group_size 4 --max_steps 6 --history_length 2 \
-    --max_tokens 64 --analyzer_max_tokens 160 --lr 1e-5 --micro_batch_size 4 \
-    --eval_every 2 --eval_tasks 3 --save_every 1 "$@"
+    --resume --updates 4 --tasks_per_update 2 --group_size 2 --max_steps 5 --history_length 1 \
+    --max_tokens 64 --analyzer_max_tokens 192 --lr 1e-5 --micro_batch_size 2 \
+    --eval_every 2 --eval_tasks 2 --save_every 1 "$@"
   echo
   echo "[demo] finished in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
   echo "[demo] curves:      runs/demo-seed/curves.png"
