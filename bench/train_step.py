@@ -2,11 +2,13 @@
 
 Measured in one run on this machine:
   * the matmul peak: torch.matmul on large square matrices, float32 and bfloat16, all torch threads;
-  * padding waste (padded tokens / real tokens) of the micro-batches seed.py builds, on realistic rows
-    (replayed from a run's recorded episodes/update_XXXX.jsonl), before and after length sorting;
-  * achieved FLOP/s of one no-grad log-prob pass (seed.batch_logprobs, counted 2 x params x tokens) and of
-    the update (seed.update_policy: forward + backward + AdamW, counted 6 x params x tokens), in seed.py's
-    row order and length-sorted, on a subset of those rows.
+  * padding waste (padded tokens / real tokens) of the micro-batches, on realistic rows (replayed from a
+    run's recorded episodes/update_XXXX.jsonl), in row order (seed.py before its length sorting) and
+    length-sorted (seed.py now: batch_logprobs and update_policy sort by prompt + response length);
+  * achieved FLOP/s of one no-grad log-prob pass (grpo.response_logprobs per micro-batch, counted
+    2 x params x tokens) and of the update (seed.micro_loss per micro-batch, backward, grad clip, AdamW:
+    seed.update_policy's step with the micro-batches laid out here; counted 6 x params x tokens), for
+    each layout, on a subset of those rows.
 
     .venv/bin/python bench/train_step.py                       # rows from the newest bench run
     .venv/bin/python bench/train_step.py --episodes runs/x/episodes/update_0000.jsonl --rows 32
@@ -39,13 +41,14 @@ def chunks(idx, size):
 
 
 def by_length(rows, idx):
-    """Sort key of the fix: prompt length, then response length (both pads count in the [P | R] layout)."""
-    return sorted(idx, key=lambda i: (rows[i][0], rows[i][1]))
+    """The fix (as seed.py now does it): sort by prompt + response length."""
+    return sorted(idx, key=lambda i: rows[i][0] + rows[i][1])
 
 
 def update_batches(rows, mini, micro, seed, sort):
-    """seed.update_policy: rows shuffled, split into mini-batches, micro-batches in order. sort=True sorts
-    inside each mini-batch (same rows per optimizer step, so the same gradient)."""
+    """seed.update_policy: rows shuffled, split into mini-batches, micro-batches of `micro` rows. sort=True
+    sorts inside each mini-batch (same rows per optimizer step, so the same gradient). -> [[micro-batch]]
+    per mini-batch, flattened."""
     order = np.random.default_rng([seed, 0, 0]).permutation(len(rows))
     out = []
     for part in np.array_split(order, max(1, math.ceil(len(rows) / mini))):
@@ -63,9 +66,9 @@ def pass_batches(rows, micro, sort):
 def padding_table(rows, mini, micro, seed):
     lens = [(len(r["prompt"]), len(r["response"])) for r in rows]
     return [
-        ("update (seed.update_policy)", layout_waste(lens, update_batches(lens, mini, micro, seed, False)),
+        ("update (shuffled rows)", layout_waste(lens, update_batches(lens, mini, micro, seed, False)),
          layout_waste(lens, update_batches(lens, mini, micro, seed, True))),
-        ("no-grad pass (old / ref)", layout_waste(lens, pass_batches(lens, micro, False)),
+        ("no-grad pass (old / ref, episode order)", layout_waste(lens, pass_batches(lens, micro, False)),
          layout_waste(lens, pass_batches(lens, micro, True))),
     ]
 
@@ -101,35 +104,44 @@ def make_rows(seed_mod, sub):
     return seed_mod.Rows([r["prompt"] for r in sub], [r["response"] for r in sub], adv, torch.ones(len(sub)))
 
 
-LAYOUTS = ("seed.py", "length-sorted")   # --one_row adds "one row": a forward per row, no padding at all (what
-                                         # packing buys, without a varlen attention kernel)
+LAYOUTS = ("row order", "length-sorted")   # --one_row adds "one row": a forward per row, no padding at all
+                                          # (what packing buys, without a varlen attention kernel)
 
 
-def time_pass(seed_mod, model, rows, cfg, pad_id, layout):
-    """One no-grad pass (old log-probs) -> (seconds, log-probs in row order, micro-batches used)."""
-    lens = [(len(p), len(r)) for p, r in zip(rows.prompts, rows.responses)]
-    idx = list(range(len(rows))) if layout == "seed.py" else by_length(lens, list(range(len(rows))))
-    mb = 1 if layout == "one row" else cfg.micro_batch_size
-    c = seed_mod.Config(**{**cfg.__dict__, "micro_batch_size": mb})
-    lp, sec, cpu = common.clock(lambda: seed_mod.batch_logprobs(model, rows.take(idx), pad_id, c, torch.device("cpu")))
-    back = [None] * len(rows)
-    for k, i in enumerate(idx):
-        back[i] = lp[k]
-    return (sec, cpu), back, chunks(idx, mb)
+def layout_batches(lens, layout, cfg, seed):
+    """-> (no-grad pass micro-batches, update mini-batches as lists of micro-batches)."""
+    micro = 1 if layout == "one row" else cfg.micro_batch_size
+    sort = layout != "row order"
+    idx = list(range(len(lens)))
+    passes = chunks(by_length(lens, idx) if sort else idx, micro)
+    order = np.random.default_rng([seed, 0, 0]).permutation(len(lens))
+    minis = [chunks(by_length(lens, list(p)) if sort else list(p), micro)
+             for p in np.array_split(order, max(1, math.ceil(len(lens) / cfg.mini_batch_size)))]
+    return passes, minis
 
 
-def time_update(seed_mod, model, opt, rows, cfg, pad_id, layout, seed):
-    """seed.update_policy over the rows (one AdamW step per mini-batch) -> (seconds, micro-batches used).
-    Sorted layouts sort inside each mini-batch: same rows per optimizer step, same gradient."""
-    lens = [(len(p), len(r)) for p, r in zip(rows.prompts, rows.responses)]
-    order = np.random.default_rng([seed, 0, 0]).permutation(len(rows))
-    mb = 1 if layout == "one row" else cfg.micro_batch_size
-    c = seed_mod.Config(**{**cfg.__dict__, "micro_batch_size": mb})
-    if layout != "seed.py":
-        parts = np.array_split(order, max(1, math.ceil(len(rows) / cfg.mini_batch_size)))
-        order = np.concatenate([np.array(by_length(lens, list(p)), dtype=np.int64) for p in parts])
-    _, sec, cpu = common.clock(lambda: seed_mod.update_policy(model, opt, rows, c, pad_id, 1, torch.device("cpu"), order))
-    return (sec, cpu), update_batches(lens, cfg.mini_batch_size, mb, seed, layout != "seed.py")
+@torch.no_grad()
+def run_pass(grpo, model, rows, batches, pad_id):
+    """One no-grad log-prob pass over the rows in these micro-batches -> per-row 1-D log-probs."""
+    out = [None] * len(rows)
+    for b in batches:
+        lp, _, _ = grpo.response_logprobs(model, [rows.prompts[i] for i in b], [rows.responses[i] for i in b], pad_id)
+        for k, i in enumerate(b):
+            out[i] = lp[k, :len(rows.responses[i])].clone()
+    return out
+
+
+def run_update(seed_mod, model, opt, rows, minis, cfg, pad_id):
+    """seed.update_policy's optimizer steps with the given micro-batches: per mini-batch, the joint loss
+    of each micro-batch as its share of the mini-batch token mean (seed.micro_loss), backward, clip, AdamW."""
+    for micros in minis:
+        n_tok = float(sum(len(rows.responses[i]) for b in micros for i in b))
+        opt.zero_grad(set_to_none=True)
+        for b in micros:
+            loss, _ = seed_mod.micro_loss(model, rows.take(b), cfg, pad_id, n_tok, 1, torch.device("cpu"))
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
 
 
 # ----------------------------------------------------------------------------- main
@@ -171,19 +183,22 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     pad_id = tok.pad_token_id
 
+    import grpo
     # warm-up: a forward and an optimizer step on two rows (oneDNN kernel choice, allocator, AdamW state)
     warm = trows.take([0, 1])
-    warm.old = warm.ref = warm.skill = seed_mod.batch_logprobs(model, warm, pad_id, cfg, torch.device("cpu"))
-    seed_mod.update_policy(model, opt, warm, cfg, pad_id, 1, torch.device("cpu"))
+    warm.old = warm.ref = warm.skill = run_pass(grpo, model, warm, [[0, 1]], pad_id)
+    run_update(seed_mod, model, opt, warm, [[[0, 1]]], cfg, pad_id)
     best = {}
     for rep in range(args.repeats):          # layouts interleaved; the best of the repeats counts
         for layout in LAYOUTS + (("one row",) if args.one_row else ()):
+            pb, minis = layout_batches(lens, layout, cfg, args.seed)
+            ub = [b for m in minis for b in m]
             common.reset_peak_rss()
-            sec_p, lp, pb = time_pass(seed_mod, model, trows, cfg, pad_id, layout)
+            lp, *sec_p = common.clock(lambda: run_pass(grpo, model, trows, pb, pad_id))
             mem_p = common.peak_rss_mb()
             trows.old, trows.ref, trows.skill = lp, lp, lp
             common.reset_peak_rss()
-            sec_u, ub = time_update(seed_mod, model, opt, trows, cfg, pad_id, layout, args.seed)
+            _, *sec_u = common.clock(lambda: run_update(seed_mod, model, opt, trows, minis, cfg, pad_id))
             mem_u = common.peak_rss_mb()
             print(f"[bench] repeat {rep} {layout}: pass {sec_p[0]:.1f} s ({sec_p[1]:.1f} CPU s), update {sec_u[0]:.1f} s "
                   f"({sec_u[1]:.1f} CPU s), load {os.getloadavg()[0]:.2f}", flush=True)
@@ -224,7 +239,7 @@ def report(args, episodes, rows, sub, T, n_all, n_emb, load, peak, pad_rows, res
           f"{peak['fp32_cpu'] / G:.1f} per CPU-second), bf16 {peak16 / G:.1f} GFLOP/s (n={peak['n16']}; "
           f"{peak['bf16_cpu'] / G:.1f} per CPU-second)")
     print(f"\npadding waste, all {len(rows)} rows, micro-batch {args.micro_batch}, mini-batch {args.mini_batch}:")
-    print(f"| micro-batches of | seed.py order | length-sorted |\n|---|---|---|")
+    print(f"| micro-batches of | row order | length-sorted (seed.py now) |\n|---|---|---|")
     for name, before, after in pad_rows:
         print(f"| {name} | {before:.2f} | {after:.2f} |")
     print(f"\ntimed on {len(sub)} of those rows ({T} real tokens), fp32 training (the CPU dtype), best of {args.repeats}:")
@@ -236,14 +251,14 @@ def report(args, episodes, rows, sub, T, n_all, n_emb, load, peak, pad_rows, res
             print(f"| {ph} | {r['layout']} | {r[f'{k}_s']:.1f} | {r[f'{k}_cpu']:.1f} | {r[f'{k}_waste']:.2f} "
                   f"| {r[f'{k}_mb']:.0f} | {f / G:.1f} | {f / peak32:.2f} | {r[f'{k}_flops_cpu'] / peak['fp32_cpu']:.2f} "
                   f"| {f / peak16:.2f} | {r[f'{k}_exact'] / G:.1f} |")
-    base = next(r for r in results if r["layout"] == "seed.py")
+    base = next(r for r in results if r["layout"] == "row order")
     best = max(results, key=lambda r: r["update_flops_cpu"])
-    print(f"\nupdate, '{best['layout']}' vs seed.py's order: {base['update_s'] / best['update_s']:.2f}x wall, "
+    print(f"\nupdate, '{best['layout']}' vs row order: {base['update_s'] / best['update_s']:.2f}x wall, "
           f"{base['update_cpu'] / best['update_cpu']:.2f}x CPU time")
     print(f"training-step FLOP/s / fp32 matmul peak: {best['update_flops'] / peak32:.2f} wall, "
-          f"{best['update_flops_cpu'] / peak['fp32_cpu']:.2f} per CPU-second (seed.py order: "
+          f"{best['update_flops_cpu'] / peak['fp32_cpu']:.2f} per CPU-second (row order: "
           f"{base['update_flops'] / peak32:.2f}, {base['update_flops_cpu'] / peak['fp32_cpu']:.2f})")
-    print(f"training-step FLOP/s / bf16 matmul peak: {best['update_flops'] / peak16:.2f} (seed.py order: "
+    print(f"training-step FLOP/s / bf16 matmul peak: {best['update_flops'] / peak16:.2f} (row order: "
           f"{base['update_flops'] / peak16:.2f})")
 
 
