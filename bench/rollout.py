@@ -180,7 +180,7 @@ def report(args, load, shares, speed, mem, prompts):
     if shares:
         print("| episodes | wall s | engine share | " + " | ".join(f"{k} s" for k in names if k != "engine.generate")
               + " | turns | prompt tok | new tok |")
-        print("|---" * (len(names) + 6) + "|")
+        print("|---" * (len(names) + 5) + "|")
     for s in shares:
         print(f"| {s['episodes']} | {s['wall']:.1f} | {s['share']:.3f} | "
               + " | ".join(f"{s['parts'].get(k, 0.0):.2f}" for k in names if k != "engine.generate")
