@@ -44,17 +44,17 @@ demo() {
   local t0=$SECONDS
   if [ ! -d data/alfworld/json_2.1.1 ] && [ -z "${ALFWORLD_DATA:-}" ]; then
     echo "[demo] generating ALFWorld games into data/alfworld" >&2
-    "$PY" -m envs.alfworld_gen --out data/alfworld --train 24 --valid_seen 6 --valid_unseen 6 --seed 0
+    "$PY" -m envs.alfworld_gen --out data/alfworld --train 12 --valid_seen 6 --valid_unseen 6 --seed 0
   fi
   if [ ! -f runs/demo-sft/stage1.json ]; then
     echo "[demo] Stage 1: collect with the base model, scripted analyses, fine-tune the analyzer" >&2
     "$PY" sft.py --env alfworld --model smollm2-135m --out runs/demo-sft \
-      --tasks 6 --k0 2 --max_steps 5 --history_length 1 --max_tokens 64 \
-      --epochs 2 --lr 1e-4 --batch_size 2 --micro_batch_size 2
+      --tasks 4 --k0 2 --max_steps 4 --history_length 1 --max_tokens 64 \
+      --epochs 2 --lr 2e-4 --batch_size 2 --micro_batch_size 1
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD)" >&2
   "$PY" seed.py --env alfworld --model smollm2-135m --init runs/demo-sft --algo seed --out runs/demo-seed \
-    --resume --updates 4 --tasks_per_update 2 --group_size 2 --max_steps 5 --history_length 1 \
+    --resume --updates 3 --tasks_per_update 2 --group_size 2 --max_steps 4 --history_length 1 \
     --max_tokens 64 --analyzer_max_tokens 192 --lr 1e-5 --micro_batch_size 2 \
     --eval_every 2 --eval_tasks 2 --save_every 1 "$@"
   echo
@@ -84,10 +84,21 @@ recipe() {
     "$PY" -m envs.retriever --corpus "$corpus" --port 8000 &
     local rpid=$!
     trap 'kill $rpid 2>/dev/null' EXIT
-    for _ in $(seq 600); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+    "$PY" - <<'PY'
+import time, urllib.request
+for _ in range(600):   # the index of a large corpus takes a while to build
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=5); break
+    except OSError:
+        time.sleep(1)
+else:
+    raise SystemExit("the retriever at http://127.0.0.1:8000 did not come up")
+PY
   fi
-  PATH="$VENV/bin:$PATH" "${run[@]}" sft.py --env "$env" --model "$model" --out "runs/sft-$env" \
-    "${data[@]}" "${annot[@]}" "${shard[@]}"
+  if [ ! -f "runs/sft-$env/stage1.json" ]; then   # Stage 1 (resumes from its cache when interrupted)
+    PATH="$VENV/bin:$PATH" "${run[@]}" sft.py --env "$env" --model "$model" --out "runs/sft-$env" \
+      "${data[@]}" "${annot[@]}" "${shard[@]}"
+  fi
   PATH="$VENV/bin:$PATH" "${run[@]}" seed.py --env "$env" --model "$model" --init "runs/sft-$env" \
     --algo seed --out "runs/seed-$env" --updates 150 --resume "${data[@]}" "${shard[@]}" "$@"
 }

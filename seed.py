@@ -595,7 +595,9 @@ def run_eval(S, with_skill=False):
     for split in EVAL_SPLITS[cfg.env]:
         ids, local = S["eval_ids"][split], []
         n = min(len(ids), len(S["train_envs"]))        # as many envs at once as in training
-        es = S["eval_envs"].setdefault(split, [envs.make(cfg.env, **env_kwargs(cfg, split)) for _ in range(n)])
+        if split not in S["eval_envs"]:   # made once, reused by every evaluation
+            S["eval_envs"][split] = [envs.make(cfg.env, **env_kwargs(cfg, split)) for _ in range(n)]
+        es = S["eval_envs"][split]
         for i in range(0, len(ids), max(n, 1)):
             chunk = ids[i:i + n]
             skills = library_skills(S["library"], es[0], cfg.env, chunk) if with_skill else None

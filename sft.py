@@ -12,6 +12,7 @@ a restarted run reuses the episodes and sends nothing twice to the analyzer. Run
 torchrun (each rank collects and annotates its share of the tasks; training is DDP or FSDP2 as in seed.py).
 """
 import dataclasses
+import gc
 import glob
 import json
 import math
@@ -143,7 +144,8 @@ def collect_episodes(cfg, cache, rank, world, tasks):
             if rank == 0:
                 print(f"[sft] collected {min(i + cfg.collect_batch, len(mine))}/{len(mine)} tasks "
                       f"(success {np.mean([ep.won for ep in eps]):.2f})", flush=True)
-        del engine
+        del engine, pool
+        gc.collect()    # the engine's weights and KV cache are not needed for training
     seed.gather(None)   # barrier (gloo-safe)
     return {d["key"]: episode_from_json(d) for d in read_jsonl(os.path.join(cache, "episodes.rank*.jsonl"))}
 
