@@ -115,15 +115,19 @@ ENV_DEFAULTS = {
 
 # ----------------------------------------------------------------------------- config
 
-def parse_config(argv=None, cls=Config, env_defaults=ENV_DEFAULTS):
-    """Every dataclass field is a flag. Order of precedence: flag > the --env column > dataclass default."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_config(argv=None, cls=Config, env_defaults=ENV_DEFAULTS, doc=__doc__):
+    """Every dataclass field is a flag (its comment is the help). Precedence: flag > --env column > default."""
+    import inspect
+    import re
+    comments = dict(re.findall(r"^\s+(\w+): .*?# (.*)$", inspect.getsource(cls), flags=re.M))
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     for f in dataclasses.fields(cls):
+        help = f"{comments.get(f.name, '')} (default: {f.default})"
         if f.type in (bool, "bool"):
-            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help)
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(f"--{f.name}", type=typ, default=argparse.SUPPRESS)
+            p.add_argument(f"--{f.name}", type=typ, default=argparse.SUPPRESS, help=help)
     given = vars(p.parse_args(argv))
     env = given.get("env", cls.env)
     return cls(**{**env_defaults.get(env, {}), **given})

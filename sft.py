@@ -216,7 +216,7 @@ def finetune(cfg, examples, rank, world, device):
                                                          tok.pad_token_id, grad=True)   # [rows, R]
                     nll = -grpo.masked_mean(lp, mask, max(n_tok, 1.0) / world)           # share of the token mean
                     (nll if idx else nll * 0.0).backward()
-                total += float(nll) * world if idx else 0.0
+                total += float(nll.detach()) * world if idx else 0.0
             norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.grad_clip)
             opt.step()
             loss = seed.all_sum(total) / world
@@ -229,7 +229,7 @@ def finetune(cfg, examples, rank, world, device):
 
 
 def main(argv=None):
-    cfg = seed.parse_config(argv, cls=SFTConfig, env_defaults=ENV_DEFAULTS)
+    cfg = seed.parse_config(argv, cls=SFTConfig, env_defaults=ENV_DEFAULTS, doc=__doc__)
     cfg.out = cfg.out or os.path.join("runs", f"sft-{cfg.env}")
     validate(cfg)
     rank, world, device = seed.setup_dist(cfg.seed)
