@@ -70,7 +70,7 @@ def rescore(model, tokenizer, rows, skills, env_names, micro_batch=8):
     responses = [list(s.response_ids) for s in rows]
     R = max((len(r) for r in responses), default=0)
     out = torch.zeros(len(rows), R, device=model.device)                        # [rows, R]
-    order = sorted(range(len(rows)), key=lambda i: len(prompts[i]) + len(responses[i]))
+    order = sorted(range(len(rows)), key=lambda i: (len(prompts[i]), len(responses[i])))
     for b in range(0, len(order), micro_batch):
         idx = order[b:b + micro_batch]
         lp, _, _ = grpo.response_logprobs(model, [prompts[i] for i in idx], [responses[i] for i in idx],

@@ -25,61 +25,6 @@ PHASES = [("collect", "rollout"), ("analyze", "analysis"), ("logprobs", "log-pro
           ("rescore", "log-prob pass (skill context)"), ("update", "update (fwd+bwd+AdamW)"), ("push", "weight push")]
 
 
-# ----------------------------------------------------------------------------- proposed changes to seed.py
-
-def row_len(prompt, response):
-    return (len(prompt), len(response))
-
-
-def proposed(seed):
-    """The structural fixes this benchmark measures, applied to seed.py at run time (--proposed):
-    1. no-grad passes (old / ref): micro-batches of length-sorted rows (results put back in row order);
-    2. skill re-scoring: only the rows that have a skill, length-sorted over the whole batch, not per chunk
-       of micro_batch_size rows (rows without a skill are masked out of OPD by has_skill, so their lp_skill
-       is never used; here they get zeros);
-    3. update: inside each mini-batch, micro-batches of length-sorted rows (same rows per optimizer step,
-       same token-mean gradient; only the padding changes)."""
-    import numpy as np
-    import opd
-    import torch
-    plain_logprobs, plain_update = seed.batch_logprobs, seed.update_policy
-
-    def batch_logprobs(model, rows, pad_id, cfg, device):
-        order = sorted(range(len(rows)), key=lambda i: row_len(rows.prompts[i], rows.responses[i]))
-        lp = plain_logprobs(model, rows.take(order), pad_id, cfg, device)
-        out = [None] * len(rows)
-        for k, i in enumerate(order):
-            out[i] = lp[k]
-        return out
-
-    @torch.no_grad()
-    def rescore_rows(model, tokenizer, steps, skills, cfg, device):
-        out = [torch.zeros(len(s.response_ids)) for s in steps]
-        idx = [i for i, k in enumerate(skills) if k]
-        if not idx:
-            return out
-        prompts = {i: opd.skill_prompt_ids(tokenizer, steps[i], skills[i], cfg.env) for i in idx}
-        idx.sort(key=lambda i: row_len(prompts[i], steps[i].response_ids))
-        for b in range(0, len(idx), cfg.micro_batch_size):
-            mb = idx[b:b + cfg.micro_batch_size]
-            with seed.autocast(device, seed.resolved_dtype(cfg)):
-                lp, _, _ = seed.grpo.response_logprobs(model, [prompts[i] for i in mb],
-                                                       [steps[i].response_ids for i in mb], tokenizer.pad_token_id)
-            for k, i in enumerate(mb):
-                out[i] = lp[k, :len(steps[i].response_ids)].detach().float().cpu().clone()
-        return out
-
-    def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, progress=False):
-        order = np.arange(len(rows)) if order is None else np.asarray(order, dtype=np.int64)
-        n_mb = max(1, int(np.ceil(seed.all_sum(len(rows)) / cfg.mini_batch_size)))
-        parts = np.array_split(order, n_mb)       # the same split update_policy makes
-        key = lambda i: row_len(rows.prompts[i], rows.responses[i])
-        order = np.concatenate([np.array(sorted(p.tolist(), key=key), dtype=np.int64) for p in parts])
-        return plain_update(model, opt, rows, cfg, pad_id, world, device, order, progress)
-
-    seed.batch_logprobs, seed.rescore_rows, seed.update_policy = batch_logprobs, rescore_rows, update_policy
-
-
 # ----------------------------------------------------------------------------- the child: seed.py, instrumented
 
 def child(run_dir, argv):
@@ -87,9 +32,6 @@ def child(run_dir, argv):
     import analyzer
     import rollout
     import seed
-    if "--bench_proposed" in argv:
-        argv = [a for a in argv if a != "--bench_proposed"]
-        proposed(seed)
     mem = []
 
     def probe(name, fn):
@@ -117,7 +59,7 @@ def child(run_dir, argv):
 # ----------------------------------------------------------------------------- the parent
 
 def run_algo(algo, args, extra):
-    run_dir = os.path.join(common.BENCH_CACHE, "runs", f"{args.name}-{algo}" + ("-proposed" if args.proposed else ""))
+    run_dir = os.path.join(common.BENCH_CACHE, "runs", f"{args.name}-{algo}")
     if os.path.exists(run_dir):
         import shutil
         shutil.rmtree(run_dir)
@@ -126,7 +68,7 @@ def run_algo(algo, args, extra):
             "--group_size", str(args.group_size), "--max_steps", str(args.max_steps),
             "--max_tokens", str(args.max_tokens), "--analyzer_max_tokens", str(args.analyzer_max_tokens),
             "--micro_batch_size", str(args.micro_batch), "--engine", args.engine, "--eval_every", "0",
-            "--save_every", "1000", "--out", run_dir, *extra] + (["--bench_proposed"] if args.proposed else [])
+            "--save_every", "1000", "--out", run_dir, *extra]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
     print(f"[bench] seed.py {' '.join(argv)}", flush=True)
     t = time.perf_counter()
@@ -169,7 +111,6 @@ def main(argv=None):
     ap.add_argument("--engine", default="vllm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="update_cost", help="run folders: .cache/bench/runs/<name>-<algo>")
-    ap.add_argument("--proposed", action="store_true", help="apply the proposed seed.py changes (see `proposed`)")
     ap.add_argument("--max_wait", type=int, default=180, help="seconds to wait for a quiet machine")
     args = ap.parse_args(argv)
 
@@ -188,8 +129,7 @@ def report(args, extra, load, res):
     print(f"config: alfworld (generated games), init {args.init or 'base model (no SFT)'}, B={args.tasks} x N={args.group_size}, "
           f"max_steps {args.max_steps}, max_tokens {args.max_tokens}, analyzer_max_tokens {args.analyzer_max_tokens}, "
           f"micro_batch {args.micro_batch}, engine {args.engine} {' '.join(extra)}; "
-          f"{'PROPOSED seed.py changes applied; ' if args.proposed else 'seed.py as is; '}"
-          f"{n_timed} timed update(s) of {args.updates}")
+                    f"{n_timed} timed update(s) of {args.updates}")
     for a, r in res.items():
         l = r["lines"][-1]
         print(f"  {a}: rows {l.get('rows')}, tokens {l.get('tokens')}, mean length {l.get('length', 0):.2f}, "

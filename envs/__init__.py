@@ -47,6 +47,18 @@ def task_line(name):
             "search": "Your question:", "webshop": "Your task is to:"}[name]
 
 
+def history_lines(history, steps, history_length, header=None, obs_sep=" "):
+    """The actor prompt's memory block: the last `history_length` (observation, action) pairs of
+    `history`, numbered by step, after a header line; [] when there is nothing to show."""
+    recent = history[-history_length:] if history_length > 0 else []
+    if not recent:
+        return []
+    header = header or f"Your last {len(recent)} observation(s) and action(s):"
+    first = steps - len(recent) + 1
+    return [f"Prior to this step you have taken {steps} step(s). {header}"] + [
+        f"[Observation {first + k}]{obs_sep}{obs}\n[Action {first + k}] {act}" for k, (obs, act) in enumerate(recent)]
+
+
 def action_text(text):
     """The stripped text inside exactly one <action>...</action>, or None when the tag is missing,
     repeated, unclosed or holds non-ASCII text. Never raises: any model output is fine input."""

@@ -223,13 +223,7 @@ class EZPointsEnv(gym.Env):
             f"or '=' to finish; '=' evaluates the formula with the usual precedence. You have at most "
             f"{self.max_steps} steps.",
         ]
-        recent = self.history[-self.history_length:] if self.history_length > 0 else []
-        if recent:
-            lines.append(f"Prior to this step you have taken {self.steps} step(s). Your last "
-                         f"{len(recent)} observation(s) and action(s):")
-            first = self.steps - len(recent) + 1
-            for k, (obs, act) in enumerate(recent):
-                lines.append(f"[Observation {first + k}] {obs}\n[Action {first + k}] {act}")
+        lines += envs.history_lines(self.history, self.steps, self.history_length)
         lines.append(f"You are now at step {self.steps + 1}. Current observation: {self.obs}")
         lines.append(f"Your admissible actions are: {', '.join(self.admissible())}.")
         lines.append("First think step by step inside <think> </think>, then give exactly one "

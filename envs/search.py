@@ -251,13 +251,8 @@ class SearchEnv(gym.Env):
             "You are an expert agent answering a question step by step with the help of a search engine.",
             f"{envs.task_line(self.name)} {self.task}",
         ]
-        recent = self.history[-self.history_length:] if self.history_length > 0 else []
-        if recent:
-            lines.append(f"Prior to this step you have taken {self.steps} step(s). Your most recent "
-                         f"steps (search results are inside <information> </information>):")
-            first = self.steps - len(recent) + 1
-            for k, (obs, act) in enumerate(recent):
-                lines.append(f"[Observation {first + k}] {obs}\n[Action {first + k}] {act}")
+        lines += envs.history_lines(self.history, self.steps, self.history_length, header=(
+            "Your most recent steps (search results are inside <information> </information>):"))
         lines.append(f"You are now at step {self.steps + 1} of at most {self.max_steps}. "
                      f"Current observation: {self.obs}")
         lines.append("First reason inside <think> </think>. Then do exactly one of: "

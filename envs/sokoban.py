@@ -263,13 +263,7 @@ class SokobanEnv(gym.Env):
             "cell behind it is free; you cannot pull it, so avoid pushing it into a corner or "
             "against a wall away from the target.",
         ]
-        recent = self.history[-self.history_length:] if self.history_length > 0 else []
-        if recent:
-            lines.append(f"Prior to this step you have taken {self.steps} step(s). Your last "
-                         f"{len(recent)} observation(s) and action(s):")
-            first = self.steps - len(recent) + 1
-            for k, (obs, act) in enumerate(recent):
-                lines.append(f"[Observation {first + k}]\n{obs}\n[Action {first + k}] {act}")
+        lines += envs.history_lines(self.history, self.steps, self.history_length, obs_sep="\n")
         lines.append(f"You are now at step {self.steps + 1}. Current observation:\n{self.obs}")
         lines.append(f"Your admissible actions are: {', '.join(ACTIONS)}.")
         lines.append("First think step by step inside <think> </think>, then give exactly one "

@@ -110,6 +110,14 @@ def hf_engine(model_path):
     return rollout.make_engine("hf", model_path, dtype="float32", seed=0, max_model_len=2048)
 
 
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded model as a plain transformers module in eval mode, and its tokenizer (the
+    process runs torch on one thread, set above)."""
+    model, tok, _ = rollout.load_model("smollm2-135m")
+    return model.eval(), tok
+
+
 @pytest.fixture
 def toy_env_factory():
     return ToyEnv

@@ -195,17 +195,6 @@ def test_diagnostics_hand_computed():
 
 # ----------------------------------------------------------------------------- batched log-probs
 
-@pytest.fixture(scope="module")
-def smol():
-    """The embedded model, on one thread (the test machine's 2 cores are shared; oversubscribed
-    multi-threaded matmuls are many times slower than one thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tok, _ = rollout.load_model("smollm2-135m")
-    yield model.eval(), tok
-    torch.set_num_threads(threads)
-
-
 def _naive(model, prompt, response):
     """Per-row, unpadded, full logits: the obvious computation."""
     with torch.no_grad():

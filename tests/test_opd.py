@@ -106,17 +106,6 @@ PROMPT = ("Your task is to: put a clean apple in fridge.\n"
 SKILL = "Find the apple first, clean it at the sinkbasin, then open the fridge and put it in."
 
 
-@pytest.fixture(scope="module")
-def smol():
-    """The embedded model, on one thread (the test machine's 2 cores are shared; oversubscribed
-    multi-threaded matmuls are many times slower than one thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tok, _ = rollout.load_model("smollm2-135m")
-    yield model.eval(), tok
-    torch.set_num_threads(threads)
-
-
 def _steps(tok):
     texts = ["<think>I need the apple.</think><action>go to countertop 1</action>",
              "<think>ok</think><action>look</action>",
