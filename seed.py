@@ -473,8 +473,8 @@ def make_rows(episodes, steps, penalty, cfg):
 
 def analyze(engine, tok, episodes, cfg, progress, chunk=32):
     """Section 3.2: the snapshot analyzes every episode (greedy, retries on a parse failure), `chunk`
-    episodes per batched call. -> {"episodes", "parse_failures"} summed over the chunks."""
-    stats = {"episodes": 0, "parse_failures": 0}
+    episodes per batched call. -> {"episodes", "parse_failures", "first_try_failures"} summed over the chunks."""
+    stats = {"episodes": 0, "parse_failures": 0, "first_try_failures": 0}
     for i in tqdm(range(0, len(episodes), chunk), desc="analyze", disable=not progress, leave=False):
         st = analyzer.analyze(engine, tok, episodes[i:i + chunk], max_tokens=cfg.analyzer_max_tokens,
                               retries=cfg.analyzer_retries)
@@ -577,11 +577,12 @@ def episode_metrics(episodes, stats):
              for ep in episodes]
     allep = [x for part in gather(local) for x in part]
     n, steps = len(allep), max(sum(x[2] for x in allep), 1)
-    fails, tries = all_sum([stats.get("parse_failures", 0), stats.get("episodes", 0)])
+    fails, first, tries = all_sum([stats.get(k, 0) for k in ("parse_failures", "first_try_failures", "episodes")])
     return {"success": sum(x[0] for x in allep) / n, "reward": sum(x[1] for x in allep) / n,
             "length": sum(x[2] for x in allep) / n, "invalid_rate": sum(x[3] for x in allep) / steps,
             "skill_rate": sum(x[4] for x in allep) / n, "episodes": n, "rows": steps,
-            "parse_failure_rate": fails / tries if tries else float("nan")}
+            "parse_failure_rate": fails / tries if tries else float("nan"),      # after the retries
+            "first_try_failure_rate": first / tries if tries else float("nan")}  # before them
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -129,12 +129,13 @@ def report(args, extra, load, res):
     print(f"config: alfworld (generated games), init {args.init or 'base model (no SFT)'}, B={args.tasks} x N={args.group_size}, "
           f"max_steps {args.max_steps}, max_tokens {args.max_tokens}, analyzer_max_tokens {args.analyzer_max_tokens}, "
           f"micro_batch {args.micro_batch}, engine {args.engine} {' '.join(extra)}; "
-                    f"{n_timed} timed update(s) of {args.updates}")
+          f"{n_timed} timed update(s) of {args.updates}")
     for a, r in res.items():
         l = r["lines"][-1]
+        skills = (f", skill rate {l.get('skill_rate', 0):.2f}, parse failures {l.get('parse_failure_rate', 0):.2f} "
+                  f"({l.get('first_try_failure_rate', 0):.2f} before retries)") if a == "seed" else ""
         print(f"  {a}: rows {l.get('rows')}, tokens {l.get('tokens')}, mean length {l.get('length', 0):.2f}, "
-              f"success {l.get('success', 0):.2f}" + (f", skill rate {l.get('skill_rate', 0):.2f}, parse failures "
-                                                      f"{l.get('parse_failure_rate', 0):.2f}" if a == "seed" else ""))
+              f"success {l.get('success', 0):.2f}{skills}")
     print("\n| phase | grpo s | seed s | seed - grpo s |\n|---|---|---|---|")
     for k, name in PHASES + [("other", "other (rows, advantages, records)"), ("total", "update total")]:
         g, s = sec["grpo"][0][k], sec["seed"][0][k]

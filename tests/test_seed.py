@@ -192,9 +192,10 @@ def test_seed_run_writes_everything_and_distills(seed_run):
     ms = lines(out)
     for m in ms:
         for k in ("success", "length", "reward", "loss/pg", "loss/kl", "loss/entropy", "loss/opd", "gate/mean",
-                  "gate/std", "clip_frac", "parse_failure_rate", "sec/collect", "sec/analyze", "sec/update"):
+                  "gate/std", "clip_frac", "parse_failure_rate", "first_try_failure_rate", "sec/collect", "sec/analyze", "sec/update"):
             assert k in m, k
         assert m["episodes"] == 2 and m["rows"] >= 2
+        assert m["first_try_failure_rate"] >= m["parse_failure_rate"]   # retries only ever rescue
     skilled = [m for m in ms if m["skill_rate"] > 0]
     assert skilled, "the SFT'd analyzer never produced a parsable skill"
     assert all(m["loss/opd"] != 0 and 0 < m["gate/mean"] < 1 for m in skilled)
