@@ -111,11 +111,12 @@ def main(argv=None):
     ap.add_argument("--engine", default="vllm")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="update_cost", help="run folders: .cache/bench/runs/<name>-<algo>")
+    ap.add_argument("--seed_first", action="store_true", help="run seed before grpo (to see order effects)")
     ap.add_argument("--max_wait", type=int, default=180, help="seconds to wait for a quiet machine")
     args = ap.parse_args(argv)
 
     load = common.wait_quiet(max_wait_s=args.max_wait)
-    res = {algo: run_algo(algo, args, extra) for algo in ("grpo", "seed")}
+    res = {algo: run_algo(algo, args, extra) for algo in (("seed", "grpo") if args.seed_first else ("grpo", "seed"))}
     report(args, extra, load, res)
 
 
