@@ -176,12 +176,13 @@ def library_path(cfg):
 
 # ----------------------------------------------------------------------------- distributed
 
-OWN_GROUP = []
+_own_group = False   # setup_dist made the process group (not a vLLM engine of this process): ours to destroy
 
 
 def setup_dist(seed):
     """torchrun -> one process group (nccl on GPU, gloo on CPU); plain python -> world of one.
     -> (rank, world, device). Seeds python/numpy/torch with seed + rank."""
+    global _own_group
     rank, world = 0, 1
     device = torch.device("cpu")
     if "RANK" in os.environ and not dist.is_initialized():
@@ -190,7 +191,7 @@ def setup_dist(seed):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             device = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
-        OWN_GROUP.append(True)   # ours to destroy at the end (not a group an engine made in this process)
+        _own_group = True
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         if torch.cuda.is_available():
@@ -201,6 +202,14 @@ def setup_dist(seed):
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)
     return rank, world, device
+
+
+def teardown_dist():
+    """Destroy the process group setup_dist made; a group an engine made for itself is left alone."""
+    global _own_group
+    if _own_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _own_group = False
 
 
 def all_sum(x):
@@ -842,9 +851,7 @@ def summary_line(m):
 def finish(S):
     if dist.is_initialized():
         dist.barrier()
-        if OWN_GROUP:
-            dist.destroy_process_group()
-            OWN_GROUP.clear()
+        teardown_dist()
     if S["rank"] == 0:
         print(f"[seed] done: {os.path.join(S['run_dir'], 'metrics.jsonl')}, "
               f"{os.path.join(S['run_dir'], 'curves.png')}, {os.path.join(S['run_dir'], 'checkpoint')}", flush=True)

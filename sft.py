@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import analyzer
@@ -254,9 +253,7 @@ def main(argv=None):
     model, tok, log = finetune(cfg, examples, rank, world, device)
     save(cfg, model, tok, episodes, labels, log, rank, world,
          {"sec/collect": t_collect, "sec/annotate": t_annotate, "sec/total": time.time() - t0})
-    if dist.is_initialized() and seed.OWN_GROUP:
-        dist.destroy_process_group()
-        seed.OWN_GROUP.clear()
+    seed.teardown_dist()
 
 
 def save(cfg, model, tok, episodes, labels, log, rank, world, times):
