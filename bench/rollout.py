@@ -102,7 +102,8 @@ def record(eps, n, env, max_tokens):
     os.makedirs(os.path.join(run, "episodes"), exist_ok=True)
     cfg = {"env": "alfworld", "data_dir": common.games_dir(), "history_length": env.history_length,
            "max_steps": env.max_steps, "max_tokens": max_tokens, "max_prompt_tokens": 2048}
-    json.dump(cfg, open(os.path.join(run, "config.json"), "w"))
+    with open(os.path.join(run, "config.json"), "w") as f:
+        json.dump(cfg, f)
     with open(os.path.join(run, "episodes", "update_0000.jsonl"), "w") as f:
         f.writelines(json.dumps(seed.episode_record(ep)) + "\n" for ep in eps)
 
