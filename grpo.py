@@ -17,17 +17,24 @@ and the training forward all go through it).
 """
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 # ----------------------------------------------------------------------------- log-probs of a batch
+
+LOGITS_CHUNK_BYTES = 48 * 2 ** 20   # one float32 copy of a chunk's logits [rows, chunk, V]; its peak is ~4-5 copies
+
 
 def response_logprobs(model, prompts, responses, pad_id, grad=False, entropy=False):
     """Log-probs of each response token given its prompt, for a batch of rows in one forward.
 
     prompts, responses: lists of token-id lists (one per row). The batch is laid out as
     [left-padded prompt | right-padded response] of width P + R, position ids follow the attention
-    mask (so padding never shifts positions), and only the last R + 1 positions' logits are
-    materialized (`logits_to_keep`): vocab-sized logits for prompt tokens are never built.
+    mask (so padding never shifts positions). The model's forward (through its DDP / FSDP wrapper)
+    yields the final hidden states; the LM head then runs on chunks of the R response positions,
+    so vocab-sized float32 logits exist for one chunk at a time (LOGITS_CHUNK_BYTES), never for
+    [rows, R, V] at once. With grad, each chunk is checkpointed: its logits are recomputed in the
+    backward instead of kept.
     -> (logp [rows, R], mask [rows, R], ent [rows, R] or None); zeros where mask == 0.
     """
     if len(prompts) != len(responses) or not prompts:
@@ -49,14 +56,37 @@ def response_logprobs(model, prompts, responses, pad_id, grad=False, entropy=Fal
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                        # [rows, P+R] positions from the mask
     lens = torch.tensor([len(r) for r in responses], device=dev)
     mask = (torch.arange(R, device=dev)[None, :] < lens[:, None]).float()   # [rows, R]
+    base = getattr(model, "module", model)                          # DDP keeps the model in .module
+    head, seen = base.get_output_embeddings(), []
+    hook = base.get_decoder().register_forward_hook(lambda m, i, o: seen.append(o[0]))
+    try:
+        with torch.set_grad_enabled(grad):
+            model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1, use_cache=False)
+    finally:
+        hook.remove()
+    hidden = seen[-1][:, P - 1:P + R - 1]                           # [rows, R, H]: position P-1+k predicts token k
+    step = max(1, LOGITS_CHUNK_BYTES // (rows * head.weight.shape[0] * 4))   # response positions per chunk
+    lps, ents = [], []
     with torch.set_grad_enabled(grad):
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=R + 1, use_cache=False)
-        logits = out.logits[:, :-1].float()                         # [rows, R, V]: position P-1+k predicts token k
-        lse = torch.logsumexp(logits, dim=-1)                       # [rows, R]
-        tok = logits.gather(-1, ids[:, P:, None]).squeeze(-1)       # [rows, R]
-        logp = (tok - lse) * mask                                   # [rows, R]
-        ent = entropy_from_logits(logits) * mask if entropy else None   # [rows, R]
+        for c in range(0, R, step):
+            args = (head, hidden[:, c:c + step], ids[:, P + c:P + c + step], entropy)
+            if grad:
+                lp, ent = torch.utils.checkpoint.checkpoint(_chunk_stats, *args, use_reentrant=False)
+            else:
+                lp, ent = _chunk_stats(*args)
+            lps.append(lp)
+            ents.append(ent)
+    logp = torch.cat(lps, 1) * mask                                 # [rows, R]
+    ent = torch.cat(ents, 1) * mask if entropy else None            # [rows, R]
     return logp, mask, ent
+
+
+def _chunk_stats(head, hidden, tokens, entropy):
+    """LM head on one chunk: hidden [rows, c, H], tokens [rows, c] -> (log p(token) [rows, c], H or an
+    empty placeholder)."""
+    logits = head(hidden).float()                                   # [rows, c, V]
+    lp = logits.gather(-1, tokens[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)   # [rows, c]
+    return lp, (entropy_from_logits(logits) if entropy else lp.new_zeros(lp.shape[0], 0))
 
 
 def entropy_from_logits(logits):
@@ -142,19 +172,23 @@ def masked_mean(x, mask, num_tokens=None):
     return (x * mask).sum() / torch.clamp(denom, min=1.0)
 
 
-def joint_loss(pg, kl, ent, opd, mask, opd_mask=None, num_tokens=None,
+def joint_loss(pg, kl, ent, opd, mask, opd_mask=None, num_tokens=None, opd_tokens=None,
                kl_coef=0.01, ent_coef=0.001, lambda_opd=0.01):
-    """Eq. 7: L = <pg> + kl_coef <kl> - ent_coef <H> + lambda_opd <opd>, every <.> a token mean over the
-    same (global) response-token count; OPD counts only tokens of rows with a skill (opd_mask), but is
-    still divided by all tokens. Per-token inputs [rows, R] (kl/ent/opd may be None). -> (loss, parts)."""
-    num_tokens = mask.sum() if num_tokens is None else num_tokens                # one denominator for all
+    """The joint objective (Section 3.3): L = <pg> + kl_coef <kl> - ent_coef <H> + lambda_opd <opd>_skill.
+    <.> is a token mean over the (global) response-token count `num_tokens`; <opd>_skill is a token mean
+    over the tokens of rows with a skill only (opd_mask [rows, 1] or [rows, R]; their global count
+    `opd_tokens`), as the authors' compute_opd_loss does, so lambda_opd does not shrink when analyses
+    fail to parse. No skill token -> the OPD term is 0. Per-token inputs [rows, R] (kl/ent/opd may be
+    None). -> (loss, parts)."""
+    num_tokens = mask.sum() if num_tokens is None else num_tokens                # pg, kl, entropy
     parts = {"pg": masked_mean(pg, mask, num_tokens)}
     if kl is not None:
         parts["kl"] = masked_mean(kl, mask, num_tokens)
     if ent is not None:
         parts["entropy"] = masked_mean(ent, mask, num_tokens)
     if opd is not None:
-        parts["opd"] = masked_mean(opd, mask if opd_mask is None else mask * opd_mask, num_tokens)
+        skill = mask if opd_mask is None else mask * opd_mask                    # [rows, R]
+        parts["opd"] = masked_mean(opd, skill, skill.sum() if opd_tokens is None else opd_tokens)
     loss = (parts["pg"] + kl_coef * parts.get("kl", 0.0) - ent_coef * parts.get("entropy", 0.0)
             + lambda_opd * parts.get("opd", 0.0))
     return loss, {k: float(v.detach()) for k, v in parts.items()}

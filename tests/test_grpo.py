@@ -169,12 +169,33 @@ def test_masked_mean_two_ranks_equals_one_process():
 
 def test_joint_loss_hand_computed():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    pg, kl, ent, opd = (torch.full((2, 2), v) for v in (1.0, 2.0, 3.0, 4.0))
+    pg, kl, ent = (torch.full((2, 2), v) for v in (1.0, 2.0, 3.0))
+    opd = torch.tensor([[4.0, 6.0], [100.0, 100.0]])
     has_skill = torch.tensor([[1.0], [0.0]])
     loss, parts = grpo.joint_loss(pg, kl, ent, opd, mask, opd_mask=has_skill)
-    # opd: 2 skill tokens of value 4 over all 3 tokens
-    assert parts == pytest.approx({"pg": 1.0, "kl": 2.0, "entropy": 3.0, "opd": 8 / 3})
-    assert loss.item() == pytest.approx(1.0 + 0.01 * 2.0 - 0.001 * 3.0 + 0.01 * 8 / 3)
+    # pg/kl/entropy over all 3 tokens; opd over the 2 skill tokens only: (4 + 6) / 2 (row 1 has no skill)
+    assert parts == pytest.approx({"pg": 1.0, "kl": 2.0, "entropy": 3.0, "opd": 5.0})
+    assert loss.item() == pytest.approx(1.0 + 0.01 * 2.0 - 0.001 * 3.0 + 0.01 * 5.0)
+
+
+def test_opd_term_is_the_mean_over_skill_tokens():
+    """Half the rows have a skill: the OPD term is the mean over their tokens (the authors' opd_mask), not
+    over all response tokens; split over two ranks with global counts / world it sums to the same value;
+    no skill token at all gives 0."""
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])   # 9 tokens
+    has_skill = torch.tensor([[1.0], [0.0], [1.0], [0.0]])                  # rows 0 and 2: 5 skill tokens
+    opd = torch.tensor([[1.0, 2.0, 3.0], [50.0, 0.0, 0.0], [4.0, 5.0, 0.0], [60.0, 60.0, 60.0]])
+    zero = torch.zeros(4, 3)
+    _, parts = grpo.joint_loss(zero, None, None, opd, mask, opd_mask=has_skill)
+    assert parts["opd"] == pytest.approx((1 + 2 + 3 + 4 + 5) / 5)          # = 3, not 15 / 9
+    loss, _ = grpo.joint_loss(zero, None, None, opd, mask, opd_mask=has_skill, lambda_opd=0.5)
+    assert loss.item() == pytest.approx(0.5 * 3.0)
+    # two ranks (rows 0-1 and 2-3), each dividing by the global counts / world: the shares sum to one mean
+    shares = [grpo.joint_loss(zero[r], None, None, opd[r], mask[r], opd_mask=has_skill[r], num_tokens=9 / 2,
+                              opd_tokens=5 / 2)[1]["opd"] for r in ([0, 1], [2, 3])]
+    assert shares == pytest.approx([6 / 2.5, 9 / 2.5]) and sum(shares) / 2 == pytest.approx(3.0)
+    _, parts = grpo.joint_loss(zero, None, None, opd, mask, opd_mask=torch.zeros(4, 1))
+    assert parts["opd"] == 0.0
 
 
 def test_diagnostics_hand_computed():
@@ -230,3 +251,28 @@ def test_response_logprobs_gradient(smol):
     model.zero_grad(set_to_none=True)
     with pytest.raises(ValueError):
         grpo.response_logprobs(model, [[]], [[1]], tok.pad_token_id)
+
+
+def test_chunked_logprobs_equal_one_chunk_values_and_gradients(smol, monkeypatch):
+    """The LM head over chunks of 3 response positions (checkpointed under grad) gives the values and
+    the gradients of one chunk over all positions, within 1e-5."""
+    model, tok = smol
+    g = torch.Generator().manual_seed(1)
+    prompts = [rollout.chat_ids(tok, "Your task is to: heat some egg. " * k) for k in (1, 3)]
+    responses = [torch.randint(200, 40000, (n,), generator=g).tolist() for n in (11, 7)]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    params = [model.model.embed_tokens.weight, model.model.layers[-1].mlp.down_proj.weight, model.model.norm.weight]
+
+    def run(chunk_positions):
+        monkeypatch.setattr(grpo, "LOGITS_CHUNK_BYTES", chunk_positions * len(prompts) * vocab * 4)
+        lp, mask, ent = grpo.response_logprobs(model, prompts, responses, tok.pad_token_id, grad=True, entropy=True)
+        (grpo.masked_mean(lp, mask) - 0.1 * grpo.masked_mean(ent, mask)).backward()
+        grads = [p.grad.clone() for p in params]
+        model.zero_grad(set_to_none=True)
+        return lp.detach(), ent.detach(), grads
+
+    lp1, ent1, g1 = run(11)          # one chunk: the whole response
+    lp3, ent3, g3 = run(3)           # four chunks of 3, 3, 3, 2 positions
+    assert (lp1 - lp3).abs().max() <= 1e-5 and (ent1 - ent3).abs().max() <= 1e-5
+    for a, b in zip(g1, g3):
+        assert a.abs().max() > 0 and (a - b).abs().max() <= 1e-5 * max(1.0, float(a.abs().max()))
