@@ -46,6 +46,19 @@ def opsd_loss(lp, lp_skill):
     return k * torch.exp(lp - lp.detach())                                      # [rows, R]
 
 
+def rlsd_weights(lp, lp_skill, adv, eps=0.2, strength=1.0):
+    """RLSD baseline (Yang et al. 2026, "Self-Distilled RLVR"): the reward sets each token's update
+    direction, the teacher (same model, skill in context) its magnitude. Per token, no gradient:
+        w = clip(exp(sign(A) * sg(lp_skill - lp)), 1 - eps, 1 + eps)
+    multiplies the GRPO per-token loss: with A > 0 tokens the teacher favours are pushed up more, with A < 0
+    tokens it disfavours are pushed down more. strength in [0, 1] scales w - 1 (annealed to 0, plain GRPO;
+    the anneal is our reading of the SEED paper's baseline description). lp, lp_skill [rows, R], adv [rows]
+    -> w [rows, R]"""
+    s = torch.sign(adv).to(lp.dtype)[:, None]                                   # [rows, 1]
+    w = torch.exp(s * (lp_skill - lp).detach()).clamp(1.0 - eps, 1.0 + eps)    # [rows, R]
+    return 1.0 + strength * (w - 1.0)                                           # [rows, R]
+
+
 def skill_prompt_ids(tokenizer, step, skill, env_name):
     """The skill-augmented context h~ of one step, as chat token ids (through `rollout.chat_ids`)."""
     return rollout.chat_ids(tokenizer, analyzer.insert_skill(step.prompt_text, skill, env_name))

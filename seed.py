@@ -1,20 +1,25 @@
-"""SEED Stage 2: the RL loop of Algorithm 1 (Section 3; Eq. 1-7), one update at a time.
+"""SEED Stage 2: on-policy skill generation and the joint objective (Section 3.3), one update of
+Algorithm 1 (Appendix B.3) at a time.
 
     for update u = 0 .. updates-1:
         tasks      <- B tasks from the data-order RNG; each rank plays its share, N episodes per task
-        episodes   <- collect(pi_old)                                  # Section 3.1
-        skills     <- analyze(pi_old, episodes)                        # Section 3.2 (same snapshot, greedy)
-        A          <- group advantages of the step rows                # Eq. 1-2
+        episodes   <- collect(pi_old)                                  # multi-turn rollouts
+        skills     <- analyze(pi_old, episodes)                        # the same snapshot, greedy (Section 3.3)
+        A          <- group advantages of the step rows                # GRPO's group-normalized advantage
         lp_ref, lp_old <- one no-grad pass each over the rows
-        lp_skill   <- rescore(pi_old, rows, skill inserted)            # Section 3.3
-        for each mini-batch:  L = L_pg + kl_coef L_kl - ent_coef H + lambda_opd L_opd     (Eq. 3-7)
+        lp_skill   <- rescore(pi_old, rows, skill inserted)            # dual-context re-scoring (Section 3.3)
+        for each mini-batch:  L = L_pg + kl_coef L_kl - ent_coef H + lambda_opd L_opd   (the joint objective)
         AdamW step; push the new weights into the rollout engine (pi_old <- pi_theta)
 
-Baselines are switches on the same loop (`--algo`): grpo (no analyzer, no OPD), skill_grpo (library skill
-in the actor's context), skill_prompt (frozen model, library skill only at evaluation), static_skills (OPD
-with library skills instead of the live analyzer), opsd / grpo_opsd (ungated self-distillation, without /
-with GRPO). `--init ""` is the no-SFT ablation. Runs: `torchrun --nproc_per_node=8 seed.py ...` (DDP, or
-FSDP2 with --fsdp) or plain `python seed.py ...`; everything lands in `runs/<name>/` (DESIGN section 8).
+Baselines (Section 4.1, Appendix B.2; README's table says which are our interpretations) are switches on
+the same loop (`--algo`): grpo (no analyzer, no OPD), vanilla (the starting model evaluated, no update),
+skill_prompt (frozen model, library skill only at evaluation), skill_grpo / skill_grpo_star (library skill
+in the actor's context; evaluated without / with it), static_skills (OPD with library skills instead of the
+live analyzer), opsd / grpo_opsd (ungated self-distillation, without / with GRPO), rlsd (the teacher gap as
+a bounded per-token weight on GRPO), skill_sd (GRPO + ungated distillation from a library-skill teacher).
+`--init ""` is the no-SFT ablation, `--train_fraction` the sample-efficiency study (Table 6). Runs:
+`torchrun --nproc_per_node=8 seed.py ...` (DDP, or FSDP2 with --fsdp) or plain `python seed.py ...`;
+everything lands in `runs/<name>/` (DESIGN section 8).
 """
 import argparse
 import contextlib
@@ -40,10 +45,15 @@ import grpo
 import opd
 import rollout
 
-ALGOS = ("seed", "grpo", "skill_grpo", "skill_prompt", "static_skills", "opsd", "grpo_opsd")
-LIVE_ANALYZER = ("seed", "opsd", "grpo_opsd")          # skills from the live analyzer (the snapshot itself)
-LIBRARY = ("skill_grpo", "skill_prompt", "static_skills")   # skills from the Stage-1 skill library
-DISTILL = ("seed", "static_skills", "opsd", "grpo_opsd")     # an OPD / OPSD term in the loss
+ALGOS = ("seed", "grpo", "vanilla", "skill_prompt", "skill_grpo", "skill_grpo_star", "static_skills", "opsd",
+         "grpo_opsd", "rlsd", "skill_sd")
+LIVE_ANALYZER = ("seed", "opsd", "grpo_opsd", "rlsd")   # skills from the live analyzer (the snapshot itself)
+LIBRARY = ("skill_prompt", "skill_grpo", "skill_grpo_star", "static_skills", "skill_sd")   # Stage-1 skill library
+IN_CONTEXT = ("skill_grpo", "skill_grpo_star")          # the library skill in the actor's own context
+DISTILL = ("seed", "static_skills", "opsd", "grpo_opsd", "skill_sd")   # an OPD / OPSD term in the loss
+RESCORE = DISTILL + ("rlsd",)                           # needs lp_skill (the teacher: skill in context)
+NO_TRAINING = ("vanilla", "skill_prompt")               # evaluate the starting model, no update
+RLSD_EPS = 0.2   # RLSD's bound on its per-token weight, w in [1 - eps, 1 + eps] (value not given: PPO's clip)
 EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",), "search": ("test",),
                "sokoban": ("test",), "ezpoints": ("test",)}
 SKILL_FILE = "skills.jsonl"    # the skill library that sft.py writes next to its checkpoint
@@ -55,11 +65,12 @@ class Config:
     env: str = "alfworld"              # benchmark: alfworld | webshop | search | sokoban | ezpoints
     model: str = "smollm2-135m"        # base model: "smollm2-135m" (embedded), a local folder or a cached HF name
     init: str = ""                     # Stage-1 checkpoint (sft.py --out); "" = the no_sft ablation (RL from --model)
-    algo: str = "seed"                 # seed | grpo | skill_grpo | skill_prompt | static_skills | opsd | grpo_opsd
+    algo: str = "seed"                 # seed, or a baseline of README's table (seed.ALGOS)
     out: str = ""                      # run folder ("" = runs/<algo>-<env>)
     resume: bool = False               # continue the run in --out from its last checkpoint
     seed: int = 0                      # seed of everything (rank r samples with seed + r)
     updates: int = 150                 # RL updates (the paper trains 150)
+    train_fraction: float = 1.0        # share of the training tasks used, a fixed subset per seed (Table 6)
     # -- tasks and episodes (DESIGN section 3, one column per env)
     tasks_per_update: int = 16         # B: tasks per update, over all ranks
     group_size: int = 8                # N: episodes per task (a GRPO group)
@@ -75,11 +86,13 @@ class Config:
     dtype: str = "auto"                # engine dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     fsdp: bool = False                 # shard the policy and reference with FSDP2 (fully_shard) instead of DDP
     gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
-    # -- analyzer (Section 3.2)
-    analyzer_max_tokens: int = 256     # tokens of the analysis JSON
-    analyzer_retries: int = 2          # greedy re-asks on a JSON parse failure
+    gpu_memory_utilization: float = 0.3    # the vLLM engine's share of each GPU while awake (bench/memory.py)
+    # -- analyzer (Section 3.3, on-policy skill generation)
+    analyzer_max_prompt_tokens: int = 16384   # the analyzer's own prompt budget (authors'): episodes are read whole
+    analyzer_max_tokens: int = 1024    # new tokens per analysis (authors' cap 4096; the JSON needs a few hundred)
+    analyzer_retries: int = 0          # corrective re-asks on a parse failure (authors: none; ours rescued nothing)
     skill_library: str = ""            # Stage-1 skill library ("" = <init>/skills.jsonl)
-    # -- objective (Eq. 2-7)
+    # -- objective (the joint objective, Section 3.3; values of Appendix B.4 and the official launchers)
     lr: float = 1e-6                   # AdamW learning rate, constant
     weight_decay: float = 0.01         # AdamW weight decay
     grad_clip: float = 1.0             # max global grad norm
@@ -88,16 +101,18 @@ class Config:
     clip_low: float = 0.2              # PPO ratio clip, low side
     clip_high: float = 0.2             # PPO ratio clip, high side
     dual_clip: float = 3.0             # dual-clip bound for A < 0
-    kl_coef: float = 0.01              # k3 KL to the reference (Eq. 4)
+    kl_coef: float = 0.01              # k3 KL to the reference
     ent_coef: float = 0.001            # entropy bonus
-    lambda_opd: float = 0.01           # weight of the OPD term (Eq. 7)
-    beta_opd: float = 5.0              # gate sharpness: g = sigmoid(beta * (lp_skill - lp)) (Eq. 5)
+    lambda_opd: float = 0.01           # weight of the OPD term in the joint objective
+    beta_opd: float = 5.0              # OPD gate sharpness: g = sigmoid(beta * (lp_skill - lp))
     adv_norm: str = "std"              # std | mean_norm (no division by the std; official WebShop launcher)
     adv_level: str = "step"            # step (every step row counts, official code) | trajectory (the paper's formula)
     # -- evaluation (no skill, temperature 0.4)
     eval_every: int = 10               # evaluate every this many updates (and after the last); 0 = never
     eval_tasks: int = 0                # held-out tasks per split (0 = the whole split)
     eval_temperature: float = 0.4      # sampling temperature at evaluation
+    eval_greedy: bool = False          # also evaluate greedily (temperature 0), logged as eval_greedy/<split>/...
+    eval_first: bool = False           # also evaluate the starting policy, before update 0 (a line with update -1)
     # -- checkpoints
     save_every: int = 10               # checkpoint every this many updates (and after the last)
 
@@ -165,9 +180,21 @@ def validate(cfg):
         fail(f"--algo {cfg.algo} needs the Stage-1 skill library {library_path(cfg)!r} (written by sft.py "
              f"next to its checkpoint; or pass --skill_library)")
     for name in ("updates", "tasks_per_update", "group_size", "max_steps", "max_tokens",
-                 "mini_batch_size", "micro_batch_size"):
+                 "mini_batch_size", "micro_batch_size", "analyzer_max_tokens", "analyzer_max_prompt_tokens"):
         if getattr(cfg, name) < (0 if name == "updates" else 1):
             fail(f"--{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.analyzer_retries < 0:
+        fail(f"--analyzer_retries must be 0 or more, got {cfg.analyzer_retries}")
+    if not 0.0 < cfg.train_fraction <= 1.0:
+        fail(f"--train_fraction must be in (0, 1] (a share of the training tasks), got {cfg.train_fraction}")
+
+
+def train_subset(num_tasks, fraction, seed):
+    """The training task ids a run draws from (the sample-efficiency study, Table 6): the first
+    ceil(fraction * num_tasks) (at least 1) of a permutation seeded by `seed`, sorted; 1 -> every task."""
+    perm = np.random.default_rng([seed, 1]).permutation(num_tasks)   # a stream apart from the data order's
+    k = max(1, math.ceil(round(fraction * num_tasks, 6)))            # round: 0.6 * 5 is 3.0000000000000004
+    return np.sort(perm[:k])
 
 
 def library_path(cfg):
@@ -241,17 +268,22 @@ def gather(obj):
 
 
 def wrap(model, cfg, device, world, trainable=True):
-    """DDP (gradients averaged over ranks) or FSDP2 (`fully_shard` per decoder layer, then the root)."""
+    """DDP (gradients averaged over ranks) or FSDP2 (`fully_shard` per decoder layer, then the root).
+    On GPU, FSDP2 gathers parameters in the compute dtype and reduces gradients in float32; DDP's
+    gradients are views into its buckets (one gradient copy, not two)."""
     model.to(device)
     if cfg.fsdp and world > 1:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy()
+        if device.type == "cuda":
+            mp = MixedPrecisionPolicy(param_dtype=getattr(torch, resolved_dtype(cfg)), reduce_dtype=torch.float32)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
         return model
     if trainable and world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
         ddp.device = device   # grpo.response_logprobs reads `model.device`
         return ddp
     return model
@@ -294,11 +326,11 @@ def chunked(n, size, same_count):
 
 @dataclass
 class Rows:
-    """The training rows of one update on one rank: one per step (Section 3.1). Per-token fields are
+    """The training rows of one update on one rank: one per step. Per-token fields are
     lists of 1-D tensors (response length each), re-padded per micro-batch."""
     prompts: list        # prompt token ids the actor saw
     responses: list      # sampled response token ids
-    adv: torch.Tensor    # [rows] group advantage (Eq. 2)
+    adv: torch.Tensor    # [rows] GRPO group advantage
     has_skill: torch.Tensor   # [rows] 1.0 where the row's episode has a skill (OPD applies)
     old: list = None     # log pi_old per token
     ref: list = None     # log pi_ref per token
@@ -375,11 +407,12 @@ def resolved_dtype(cfg):
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-# ----------------------------------------------------------------------------- the objective (Eq. 3-7)
+# ----------------------------------------------------------------------------- the joint objective (Section 3.3)
 
-def micro_loss(model, mb, cfg, pad_id, n_tok, world, device):
-    """The joint loss of one micro-batch as its share of the global token mean.
-    n_tok = response tokens of the whole mini-batch over all ranks. -> (loss, sums for the metrics)."""
+def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, progress=0.0):
+    """The joint loss of one micro-batch as its share of the global token means. n_tok / n_skill = response
+    tokens / tokens of rows with a skill, in the whole mini-batch over all ranks; progress = the share of
+    the run's updates done (RLSD's anneal). -> (loss, sums for the metrics)."""
     with autocast(device, resolved_dtype(cfg)):
         lp, mask, ent = grpo.response_logprobs(model, mb.prompts, mb.responses, pad_id, grad=True,
                                                entropy=cfg.ent_coef > 0)          # [rows, R]
@@ -391,17 +424,21 @@ def micro_loss(model, mb, cfg, pad_id, n_tok, world, device):
     adv = mb.adv.to(lp.device)                                                     # [rows]
     skill_mask = mb.has_skill.to(lp.device)[:, None] * mask                        # [rows, R]
     pg = grpo.policy_loss(lp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip)   # [rows, R]
+    w = None
     if cfg.algo == "opsd":
         pg = torch.zeros_like(pg)                       # pure self-distillation: no reward term
-    kl = grpo.kl_k3(lp, ref) if ref is not None else None                          # [rows, R] Eq. 4
+    elif cfg.algo == "rlsd":                            # teacher gap = per-token magnitude, A = direction
+        w = 1.0 + skill_mask * (opd.rlsd_weights(lp, lps, adv, RLSD_EPS, 1.0 - progress) - 1.0)   # [rows, R]
+        pg = pg * w
+    kl = grpo.kl_k3(lp, ref) if ref is not None else None                          # [rows, R] k3 KL
     use_opd = cfg.algo in DISTILL
-    if cfg.algo in ("opsd", "grpo_opsd"):
+    if cfg.algo in ("opsd", "grpo_opsd", "skill_sd"):
         od = opd.opsd_loss(lp, lps)                                                # [rows, R] ungated
     else:
-        od = opd.opd_loss(lp, lps, cfg.beta_opd) if use_opd else None              # [rows, R] Eq. 6
+        od = opd.opd_loss(lp, lps, cfg.beta_opd) if use_opd else None              # [rows, R] gated OPD
     lam = 1.0 if cfg.algo == "opsd" else cfg.lambda_opd
-    # DDP and FSDP average gradients over ranks: divide by global_tokens / world (grpo.masked_mean).
-    loss, _ = grpo.joint_loss(pg, kl, ent, od, mask, skill_mask, n_tok / world,
+    # DDP and FSDP average gradients over ranks: divide by the global counts / world (grpo.masked_mean).
+    loss, _ = grpo.joint_loss(pg, kl, ent, od, mask, skill_mask, n_tok / world, n_skill / world,
                               cfg.kl_coef, cfg.ent_coef, lam if use_opd else 0.0)
     with torch.no_grad():
         g = opd.gates(lps, lp, cfg.beta_opd) if use_opd else torch.zeros_like(lp)  # [rows, R]
@@ -412,13 +449,15 @@ def micro_loss(model, mb, cfg, pad_id, n_tok, world, device):
                 "entropy": (ent * mask).sum() if ent is not None else 0.0,
                 "opd": (od * skill_mask).sum() if od is not None else 0.0,
                 "gate": (g * skill_mask).sum(), "gate_sq": (g * g * skill_mask).sum(),
+                "rlsd_weight": (w * skill_mask).sum() if w is not None else 0.0,
                 "skill_tokens": skill_mask.sum(), "clipped": (clipped * mask).sum(), "tokens": mask.sum()}
     return loss, {k: float(v) for k, v in sums.items()}
 
 
-def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, progress=False):
+def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, progress=False, done=0.0):
     """One pass over the rows in mini-batches (ppo_epochs = 1); each mini-batch is one AdamW step on the
-    token-mean joint loss over all ranks' rows. `order`: this rank's row order (shuffled by the caller).
+    token-mean joint loss over all ranks' rows. `order`: this rank's row order (shuffled by the caller);
+    `done`: the share of the run's updates done (micro_loss's progress).
     Returns the summed statistics of every micro-batch (summed over ranks) and the grad norms."""
     order = list(range(len(rows))) if order is None else list(order)
     n_mb = max(1, math.ceil(all_sum(len(rows)) / cfg.mini_batch_size))
@@ -427,13 +466,15 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, prog
     for part in np.array_split(np.array(order, dtype=np.int64), n_mb):
         part = by_length(part.tolist(), rows.prompts, rows.responses)   # same gradient, less padding
         mbrows = rows.take(part)
-        n_tok = all_sum(sum(len(r) for r in mbrows.responses))
+        # global counts of this mini-batch: response tokens, and tokens of rows with a skill (the OPD mean)
+        n_tok, n_skill = all_sum([sum(len(r) for r in mbrows.responses),
+                                  sum(len(r) * float(h) for r, h in zip(mbrows.responses, mbrows.has_skill))])
         micros = chunked(len(mbrows), cfg.micro_batch_size, same_count=True)
         opt.zero_grad(set_to_none=True)
         for k, idx in enumerate(micros):
             with grad_sync(model, k == len(micros) - 1):
                 mb = mbrows.take(idx) if idx else rows.take([0])  # filler: a row with zero weight
-                loss, sums = micro_loss(model, mb, cfg, pad_id, max(n_tok, 1.0), world, device)
+                loss, sums = micro_loss(model, mb, cfg, pad_id, max(n_tok, 1.0), n_skill, world, device, done)
                 (loss if idx else loss * 0.0).backward()
             if idx:
                 for key, v in sums.items():
@@ -448,26 +489,31 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, prog
     return summed, norms
 
 
-def loss_metrics(s, norms, with_opd):
-    """Sums over the update -> token means (every loss term as it enters L: over all response tokens).
-    The gate statistics are over the tokens of rows with a skill (nan when there were none)."""
+def loss_metrics(s, norms, algo):
+    """Sums over the update -> every loss term as it enters L: pg, kl, entropy over all response tokens; OPD
+    over the tokens of rows with a skill (0 when there were none, as in L). The gate and RLSD weight
+    statistics are over the skill tokens too (nan when there were none)."""
     n, ns = max(s.get("tokens", 0.0), 1.0), s.get("skill_tokens", 0.0)
+    per_skill = lambda k: s.get(k, 0.0) / ns if ns else float("nan")
     out = {"loss/pg": s.get("pg", 0.0) / n, "loss/kl": s.get("kl", 0.0) / n, "loss/entropy": s.get("entropy", 0.0) / n,
            "clip_frac": s.get("clipped", 0.0) / n, "grad_norm": float(np.mean(norms)) if norms else 0.0,
            "tokens": s.get("tokens", 0.0)}
-    if with_opd:
-        gate_mean = s.get("gate", 0.0) / ns if ns else float("nan")
-        gate_var = s.get("gate_sq", 0.0) / ns - gate_mean ** 2 if ns else float("nan")
-        out |= {"loss/opd": s.get("opd", 0.0) / n, "opd/per_skill_token": s.get("opd", 0.0) / ns if ns else float("nan"),
-                "gate/mean": gate_mean, "gate/std": math.sqrt(max(gate_var, 0.0)) if ns else float("nan"),
-                "skill_token_frac": ns / n}
+    if algo in RESCORE:
+        out["skill_token_frac"] = ns / n
+    if algo in DISTILL:
+        gate_mean = per_skill("gate")
+        gate_var = per_skill("gate_sq") - gate_mean ** 2
+        out |= {"loss/opd": s.get("opd", 0.0) / ns if ns else 0.0, "gate/mean": gate_mean,
+                "gate/std": math.sqrt(max(gate_var, 0.0)) if ns else float("nan")}
+    if algo == "rlsd":
+        out["rlsd/weight_mean"] = per_skill("rlsd_weight")
     return out
 
 
 # ----------------------------------------------------------------------------- one update (Algorithm 1)
 
 def make_rows(episodes, steps, penalty, cfg):
-    """Eq. 1-2: step rows, rewards with the invalid-action penalty, group-normalized advantages."""
+    """GRPO's inputs: step rows, rewards with the invalid-action penalty, group-normalized advantages."""
     ep_of = [e for e, ep in enumerate(episodes) for _ in ep.steps]
     valid = [s.valid for s in steps]
     if cfg.adv_level == "trajectory":
@@ -481,14 +527,43 @@ def make_rows(episodes, steps, penalty, cfg):
 
 
 def analyze(engine, tok, episodes, cfg, progress, chunk=32):
-    """Section 3.2: the snapshot analyzes every episode (greedy, retries on a parse failure), `chunk`
+    """Section 3.3: the snapshot analyzes every episode (one greedy generation, optional retries on a parse
+    failure), each read whole up to --analyzer_max_prompt_tokens (capped by what the engine holds), `chunk`
     episodes per batched call. -> {"episodes", "parse_failures", "first_try_failures"} summed over the chunks."""
     stats = {"episodes": 0, "parse_failures": 0, "first_try_failures": 0}
     for i in tqdm(range(0, len(episodes), chunk), desc="analyze", disable=not progress, leave=False):
         st = analyzer.analyze(engine, tok, episodes[i:i + chunk], max_tokens=cfg.analyzer_max_tokens,
-                              retries=cfg.analyzer_retries)
+                              retries=cfg.analyzer_retries, max_prompt_tokens=cfg.analyzer_max_prompt_tokens)
         stats = {k: stats[k] + st[k] for k in stats}
     return stats
+
+
+def analysis_budget(model_path, max_prompt_tokens, max_tokens, retries=0):
+    """-> (the analyzer's prompt budget, the context one analysis needs: that budget + analyzer.answer_room).
+    The model's own context (config.max_position_embeddings; 8192 for the embedded SmolLM2-135M) caps it:
+    vLLM refuses a longer max_model_len, so the prompt budget shrinks to fit, with a notice."""
+    from transformers import AutoConfig
+    limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    room = analyzer.answer_room(max_tokens, retries)
+    if limit and max_prompt_tokens + room > limit:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"[analyzer] the model's context is {limit} tokens: the analyzer's prompt budget is "
+                  f"{limit - room} (asked {max_prompt_tokens}, plus {room} for its answers)", flush=True)
+        max_prompt_tokens = limit - room
+    if max_prompt_tokens < 256:
+        fail(f"the analyzer's answers ({room} tokens) leave {max_prompt_tokens} of the model's context for the "
+             f"episode; lower --analyzer_max_tokens or --analyzer_retries")
+    return max_prompt_tokens, max_prompt_tokens + room
+
+
+def engine_context(cfg, model_path):
+    """The rollout engine's max_model_len: the longest actor turn and, for the algorithms that analyze live,
+    the longest analysis (its own prompt budget + answers; the larger of the two)."""
+    context = cfg.max_prompt_tokens + cfg.max_tokens
+    if cfg.algo in LIVE_ANALYZER:
+        context = max(context, analysis_budget(model_path, cfg.analyzer_max_prompt_tokens, cfg.analyzer_max_tokens,
+                                               cfg.analyzer_retries)[1])
+    return context
 
 
 def library_skills(library, env, env_name, task_ids):
@@ -506,11 +581,11 @@ def rl_update(u, S):
     main_rank = rank == 0
     sec = {}
     t = time.time()
-    tasks = S["data_rng"].choice(S["num_tasks"], size=cfg.tasks_per_update,
-                                 replace=S["num_tasks"] < cfg.tasks_per_update).tolist()
+    ids = S["train_ids"]                    # every training task, or the --train_fraction subset
+    tasks = S["data_rng"].choice(ids, size=cfg.tasks_per_update, replace=len(ids) < cfg.tasks_per_update).tolist()
     mine = tasks[rank::world]
     ctx_skills = (library_skills(S["library"], S["train_envs"][0], cfg.env, mine)
-                  if cfg.algo == "skill_grpo" else None)
+                  if cfg.algo in IN_CONTEXT else None)
     # 1. collect with the snapshot pi_old
     episodes = rollout.collect(S["engine"], S["tok"], S["train_envs"], mine, cfg.group_size,
                                temperature=cfg.temperature, max_tokens=cfg.max_tokens, skills=ctx_skills,
@@ -521,13 +596,13 @@ def rl_update(u, S):
     stats = {}
     if cfg.algo in LIVE_ANALYZER:
         stats = analyze(S["engine"], S["tok"], episodes, cfg, main_rank)
-    elif cfg.algo == "static_skills":
+    elif cfg.algo in ("static_skills", "skill_sd"):   # a library skill for the teacher's context only
         for ep in episodes:
             ep.skill = S["library"].retrieve(cfg.env, ep.family, ep.task)
     sec["analyze"] = time.time() - t
     S["episode_records"] = [r for part in gather([episode_record(ep) for ep in episodes]) for r in part]
     S["engine"].sleep()
-    # 3. rows, rewards, advantages (Eq. 1-2)
+    # 3. rows, rewards, advantages
     t = time.time()
     steps = [s for ep in episodes for s in ep.steps]
     rows, ep_of = make_rows(episodes, steps, S["train_envs"][0].invalid_penalty, cfg)
@@ -540,44 +615,31 @@ def rl_update(u, S):
     sec["logprobs"] = time.time() - t
     # 5. re-score under the skill-augmented context (only rows with a skill are distilled)
     t = time.time()
-    if cfg.algo in DISTILL:
+    if cfg.algo in RESCORE:
         rows.skill = rescore_rows(S["fwd"], S["tok"], steps, [episodes[e].skill for e in ep_of], cfg, S["device"])
     sec["rescore"] = time.time() - t
-    # 6. mini-batch updates of the joint loss (Eq. 7), one pass, rows shuffled
+    # 6. mini-batch updates of the joint objective, one pass, rows shuffled
     t = time.time()
     order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
-    sums, norms = update_policy(model, S["opt"], rows, cfg, pad_id, world, S["device"], order, main_rank)
+    sums, norms = update_policy(model, S["opt"], rows, cfg, pad_id, world, S["device"], order, main_rank,
+                                u / max(cfg.updates, 1))
     sec["update"] = time.time() - t
     # 7. the new weights become the next snapshot pi_old (actor and analyzer)
     t = time.time()
-    S["engine"].wake()
-    push(S["engine"], model)
+    push(S["engine"], model, S["opt"])
     sec["push"] = time.time() - t
-    return episode_metrics(episodes, stats) | loss_metrics(sums, norms, cfg.algo in DISTILL) | {f"sec/{k}": v for k, v in sec.items()}
+    return episode_metrics(episodes, stats) | loss_metrics(sums, norms, cfg.algo) | {f"sec/{k}": v for k, v in sec.items()}
 
 
-def push(engine, model):
-    """Weight push into this rank's engine (FSDP: gather the full tensors first, on every rank)."""
-    m = unwrap(model)
-    if any(hasattr(p, "full_tensor") for p in m.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
-        engine.push_weights(_StateDictModel(sd))
-    else:
-        engine.push_weights(m)
-
-
-class _StateDictModel(torch.nn.Module):
-    """A full state dict presented as a module (for engine.push_weights under FSDP)."""
-    def __init__(self, sd):
-        super().__init__()
-        self._sd = sd
-
-    def state_dict(self, *a, **k):
-        return self._sd
-
-    def named_parameters(self, *a, **k):
-        return iter(self._sd.items())
+def push(engine, model, opt=None):
+    """Weight push into this rank's engine, one tensor at a time (rollout.stream_weights: under FSDP2
+    every rank gathers each tensor in turn, never a full state dict). The gradients are freed first:
+    a sleeping engine wakes into that memory."""
+    if opt is not None:
+        opt.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.push_weights(unwrap(model))
 
 
 def episode_metrics(episodes, stats):
@@ -612,29 +674,41 @@ def eval_task_ids(cfg, split, rank, world):
 
 
 def run_eval(S, with_skill=False):
-    """Held-out tasks at temperature 0.4, no skill (skill_prompt: the library skill in the prompt).
-    -> {"eval/<split>/success", ".../success_<family>", ".../success_macro", ".../length"}."""
+    """Held-out tasks at temperature 0.4, no skill (skill_prompt, skill_grpo_star: the library skill in the
+    prompt, as the paper's Skill-Prompt and Skill-GRPO* rows); with --eval_greedy also at temperature 0.
+    -> {"eval/<split>/success", ".../success_<family>", ".../success_macro", ".../length", ".../invalid_rate"}
+    (and the same under "eval_greedy/")."""
     cfg, out = S["cfg"], {}
+    runs = [("eval", cfg.eval_temperature)] + ([("eval_greedy", 0.0)] if cfg.eval_greedy else [])
     for split in EVAL_SPLITS[cfg.env]:
-        ids, local = S["eval_ids"][split], []
-        n = min(len(ids), len(S["train_envs"]))        # as many envs at once as in training
-        if split not in S["eval_envs"]:   # made once, reused by every evaluation
-            S["eval_envs"][split] = [envs.make(cfg.env, **env_kwargs(cfg, split)) for _ in range(n)]
-        es = S["eval_envs"][split]
-        for i in range(0, len(ids), max(n, 1)):
-            chunk = ids[i:i + n]
-            skills = library_skills(S["library"], es[0], cfg.env, chunk) if with_skill else None
-            eps = rollout.collect(S["engine"], S["tok"], es[:len(chunk)], chunk, 1, temperature=cfg.eval_temperature,
-                                  max_tokens=cfg.max_tokens, skills=skills, progress=S["rank"] == 0)
-            local += [(ep.family, float(ep.won), ep.length) for ep in eps]
-        res = [x for part in gather(local) for x in part]
-        fams = sorted({f for f, _, _ in res})
-        per = {f: float(np.mean([w for g, w, _ in res if g == f])) for f in fams}
-        out[f"eval/{split}/success"] = float(np.mean([w for _, w, _ in res])) if res else float("nan")
-        out[f"eval/{split}/success_macro"] = float(np.mean(list(per.values()))) if per else float("nan")
-        out[f"eval/{split}/length"] = float(np.mean([n for _, _, n in res])) if res else float("nan")
-        out.update({f"eval/{split}/success_{f}": v for f, v in per.items()})
+        for prefix, temperature in runs:
+            res = [x for part in gather(eval_episodes(S, split, temperature, with_skill)) for x in part]
+            fams = sorted({f for f, _, _, _ in res})
+            per = {f: float(np.mean([w for g, w, _, _ in res if g == f])) for f in fams}
+            mean = lambda xs: float(np.mean(xs)) if res else float("nan")
+            key = f"{prefix}/{split}"
+            out[f"{key}/success"] = mean([w for _, w, _, _ in res])
+            out[f"{key}/success_macro"] = float(np.mean(list(per.values()))) if per else float("nan")
+            out[f"{key}/length"] = mean([n for _, _, n, _ in res])
+            out[f"{key}/invalid_rate"] = sum(b for *_, b in res) / max(sum(n for _, _, n, _ in res), 1)
+            out.update({f"{key}/success_{f}": v for f, v in per.items()})
     return out
+
+
+def eval_episodes(S, split, temperature, with_skill):
+    """One episode of each of this rank's held-out tasks of `split`. -> [(family, won, length, invalid steps)]."""
+    cfg, ids, local = S["cfg"], S["eval_ids"][split], []
+    n = min(len(ids), len(S["train_envs"]))        # as many envs at once as in training
+    if split not in S["eval_envs"]:   # made once, reused by every evaluation
+        S["eval_envs"][split] = [envs.make(cfg.env, **env_kwargs(cfg, split)) for _ in range(n)]
+    es = S["eval_envs"][split]
+    for i in range(0, len(ids), max(n, 1)):
+        chunk = ids[i:i + n]
+        skills = library_skills(S["library"], es[0], cfg.env, chunk) if with_skill else None
+        eps = rollout.collect(S["engine"], S["tok"], es[:len(chunk)], chunk, 1, temperature=temperature,
+                              max_tokens=cfg.max_tokens, skills=skills, progress=S["rank"] == 0)
+        local += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps)) for ep in eps]
+    return local
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -662,7 +736,8 @@ def read_metrics(run_dir):
 
 
 def plot_curves(run_dir, lines):
-    """curves.png: success (train and eval), episode length, OPD loss, gate mean +- std."""
+    """curves.png: success (train and eval), episode length, invalid-action rate (train and eval), OPD loss,
+    gate mean +- std, KL to the reference."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -671,15 +746,21 @@ def plot_curves(run_dir, lines):
         return
     u = [m["update"] for m in lines]
     col = lambda k: [float("nan") if m.get(k) is None else m[k] for m in lines]
-    fig, ax = plt.subplots(2, 2, figsize=(10, 7))
+    fig, ax = plt.subplots(2, 3, figsize=(14, 7))
     ax[0, 0].plot(u, col("success"), "o-", label="train rollouts")
-    for k in sorted({k for m in lines for k in m if k.startswith("eval/") and k.endswith("/success")}):
+    for k in sorted({k for m in lines for k in m if k.startswith("eval") and k.endswith("/success")}):
         pts = [(m["update"], m[k]) for m in lines if m.get(k) is not None]
         ax[0, 0].plot(*zip(*pts), "s--", label=k[5:-8])
     ax[0, 0].set(title="success rate", xlabel="update", ylim=(-0.05, 1.05))
     ax[0, 0].legend(fontsize=8)
     ax[0, 1].plot(u, col("length"), "o-")
     ax[0, 1].set(title="episode length (steps)", xlabel="update")
+    ax[0, 2].plot(u, col("invalid_rate"), "o-", label="train rollouts")
+    for k in sorted({k for m in lines for k in m if k.startswith("eval") and k.endswith("/invalid_rate")}):
+        pts = [(m["update"], m[k]) for m in lines if m.get(k) is not None]
+        ax[0, 2].plot(*zip(*pts), "s--", label=k[:-len("/invalid_rate")])
+    ax[0, 2].set(title="invalid-action rate (per step)", xlabel="update", ylim=(-0.05, 1.05))
+    ax[0, 2].legend(fontsize=8)
     ax[1, 0].plot(u, col("loss/opd"), "o-")
     ax[1, 0].set(title="OPD loss (token mean)", xlabel="update")
     gm, gs = np.array(col("gate/mean")), np.array(col("gate/std"))
@@ -687,6 +768,8 @@ def plot_curves(run_dir, lines):
     ax[1, 1].fill_between(u, gm - gs, gm + gs, alpha=0.3, label="+- std")
     ax[1, 1].set(title="OPD gate g", xlabel="update", ylim=(-0.05, 1.05))
     ax[1, 1].legend(fontsize=8)
+    ax[1, 2].plot(u, col("loss/kl"), "o-")
+    ax[1, 2].set(title="KL to the reference (k3, token mean)", xlabel="update")
     for a in ax.flat:
         a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
@@ -755,6 +838,8 @@ def main(argv=None):
     cfg = parse_config(argv)
     cfg.out = cfg.out or os.path.join("runs", f"{cfg.algo}-{cfg.env}")
     validate(cfg)
+    if cfg.algo in NO_TRAINING:
+        cfg.updates = 0                      # evaluation of the starting model only: no update to run
     rank, world, device = setup_dist(cfg.seed)
     if cfg.tasks_per_update % world:
         fail(f"--tasks_per_update {cfg.tasks_per_update} must be a multiple of the {world} ranks")
@@ -766,6 +851,8 @@ def main(argv=None):
     if rank == 0:
         if cfg.resume and not resuming:
             print(f"[seed] --resume: no checkpoint in {run_dir}; starting at update 0", flush=True)
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):   # lines of a run killed before its
+                os.remove(os.path.join(run_dir, "metrics.jsonl"))        # first checkpoint: all redone
         os.makedirs(os.path.join(run_dir, "episodes"), exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg) | {"world_size": world}, f, indent=2)
@@ -776,9 +863,9 @@ def main(argv=None):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     S = dict(cfg=cfg, rank=rank, world=world, device=device, run_dir=run_dir, tok=tok, eval_envs={})
-    train = cfg.algo != "skill_prompt"
+    train = cfg.algo not in NO_TRAINING
     if train and (cfg.kl_coef > 0):
-        ref, _, _ = rollout.load_model(init)
+        ref, _, _ = rollout.load_model(init, dtype=resolved_dtype(cfg))   # frozen: bf16 on GPU
         ref.requires_grad_(False).eval()
         S["ref"] = wrap(ref, cfg, device, world, trainable=False)
     S["model"] = wrap(model, cfg, device, world)
@@ -792,7 +879,8 @@ def main(argv=None):
     # one engine per rank (its own sampling seed), loaded with the policy's current weights
     model_path = ckpt if resuming else init_path
     S["engine"] = rollout.make_engine(cfg.engine, model_path, dtype=resolved_dtype(cfg), seed=cfg.seed,
-                                      max_model_len=cfg.max_prompt_tokens + cfg.max_tokens)
+                                      max_model_len=engine_context(cfg, model_path),
+                                      gpu_memory_utilization=cfg.gpu_memory_utilization)
 
     start = 0
     if resuming:
@@ -808,22 +896,32 @@ def main(argv=None):
     n_local = cfg.tasks_per_update // world * cfg.group_size
     S["train_envs"] = [envs.make(cfg.env, **env_kwargs(cfg, "train")) for _ in range(n_local)]
     S["num_tasks"] = S["train_envs"][0].num_tasks
+    S["train_ids"] = train_subset(S["num_tasks"], cfg.train_fraction, cfg.seed)
+    if rank == 0 and cfg.train_fraction < 1:
+        print(f"[seed] --train_fraction {cfg.train_fraction}: {len(S['train_ids'])} of {S['num_tasks']} "
+              f"training tasks", flush=True)
     S["eval_ids"] = {s: eval_task_ids(cfg, s, rank, world) for s in EVAL_SPLITS[cfg.env]}
 
-    if not train:   # skill_prompt: the frozen model, library skills only at evaluation
-        metrics = {"update": 0} | run_eval(S, with_skill=True)
+    with_skill = cfg.algo in ("skill_prompt", "skill_grpo_star")    # evaluated with the library skill
+    if not train:   # vanilla, skill_prompt: the starting model evaluated, no update
+        metrics = {"update": 0} | run_eval(S, with_skill)
         if rank == 0:
             write_metrics(run_dir, metrics)
             print(json.dumps(metrics), flush=True)
         return finish(S)
 
+    if cfg.eval_first and start == 0:   # the starting policy, on the same held-out tasks
+        t = time.time()
+        metrics = {"update": -1} | run_eval(S, with_skill) | {"sec/eval": time.time() - t}
+        if rank == 0:
+            write_metrics(run_dir, metrics)
     for u in range(start, cfg.updates):
         t0 = time.time()
         metrics = {"update": u} | rl_update(u, S)
         last = u == cfg.updates - 1
         if cfg.eval_every and ((u + 1) % cfg.eval_every == 0 or last):
             t = time.time()
-            metrics |= run_eval(S)
+            metrics |= run_eval(S, with_skill)
             metrics["sec/eval"] = time.time() - t
         metrics["sec/total"] = time.time() - t0
         if rank == 0:
@@ -851,7 +949,8 @@ def summary_line(m):
 def finish(S):
     if dist.is_initialized():
         dist.barrier()
-        teardown_dist()
+    S["engine"].close()   # first: vLLM's shutdown tears down its groups on top of the trainer's
+    teardown_dist()
     if S["rank"] == 0:
         print(f"[seed] done: {os.path.join(S['run_dir'], 'metrics.jsonl')}, "
               f"{os.path.join(S['run_dir'], 'curves.png')}, {os.path.join(S['run_dir'], 'checkpoint')}", flush=True)

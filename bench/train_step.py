@@ -138,7 +138,8 @@ def run_update(seed_mod, model, opt, rows, minis, cfg, pad_id):
         n_tok = float(sum(len(rows.responses[i]) for b in micros for i in b))
         opt.zero_grad(set_to_none=True)
         for b in micros:
-            loss, _ = seed_mod.micro_loss(model, rows.take(b), cfg, pad_id, n_tok, 1, torch.device("cpu"))
+            loss, _ = seed_mod.micro_loss(model, rows.take(b), cfg, pad_id, n_tok, n_tok, 1,   # every row has a skill
+                                          torch.device("cpu"))
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()

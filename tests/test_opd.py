@@ -1,6 +1,7 @@
 """opd.py: the gate and the OPD gradient by hand, the paper's expected-gradient claim by exact enumeration
 over a small vocabulary (and GRPO's zero gradient on a tied group), and dual-context re-scoring with the
 embedded SmolLM2 tokenizer, chat template and weights."""
+import math
 import os
 import sys
 
@@ -95,6 +96,20 @@ def test_opsd_variants_by_enumeration():
     assert torch.allclose(opd.opsd_loss(z[None], lp_skill[None]), (z - lp_skill)[None])   # value: log-ratio
     ones, _ = _expected_grad(lambda lp, ls: ls.detach() - lp, z, lp_skill)
     assert ones.abs().max() < 1e-12
+
+
+def test_rlsd_weights_hand_computed():
+    """RLSD: w = clip(exp(sign(A) (lp_skill - lp)), 1 - eps, 1 + eps), no gradient; strength scales w - 1."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5]], requires_grad=True)
+    lp_skill = torch.tensor([[-0.9, -3.0, -0.5], [-0.9, -3.0, -0.5]])              # gaps 0.1, -1.0, 0
+    w = opd.rlsd_weights(lp, lp_skill, torch.tensor([2.0, -0.5]), eps=0.2)
+    e = math.exp(0.1)
+    assert torch.allclose(w, torch.tensor([[e, 0.8, 1.0], [1 / e, 1.2, 1.0]]), atol=1e-6)   # A > 0 row, A < 0 row
+    assert not w.requires_grad
+    half = opd.rlsd_weights(lp, lp_skill, torch.tensor([2.0, -0.5]), eps=0.2, strength=0.5)
+    assert torch.allclose(half, 1 + 0.5 * (w - 1)) and torch.equal(
+        opd.rlsd_weights(lp, lp_skill, torch.tensor([2.0, -0.5]), strength=0.0), torch.ones(2, 3))
+    assert torch.equal(opd.rlsd_weights(lp, lp_skill, torch.zeros(2)), torch.ones(2, 3))    # A = 0: plain GRPO
 
 
 # ----------------------------------------------------------------------------- re-scoring with SmolLM2

@@ -7,6 +7,7 @@ The distributed checks run one update step on fixed rows (tests/dist_update.py) 
 torchrun with two gloo ranks (DDP), and with --fsdp (FSDP2 fully_shard).
 """
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 import analyzer
+import grpo
+import envs
 import rollout
 import seed
 import sft
@@ -54,6 +57,34 @@ def test_flags_env_columns_and_overrides():
     assert sft.main.__module__ == "sft" and seed.parse_config([], cls=sft.SFTConfig).k0 == 8
 
 
+def test_stage1_defaults_are_the_authors():
+    c = seed.parse_config([], cls=sft.SFTConfig)
+    assert (c.tasks, c.k0, c.temperature, c.val_fraction, c.lr, c.warmup_ratio, c.batch_size, c.epochs) == \
+        (180, 8, 0.4, 0.1, 5e-6, 0.1, 8, 3) and sft.BETAS == (0.9, 0.95)
+    assert (c.analyzer_max_prompt_tokens, c.analyzer_max_tokens) == (16384, 1024)
+    c = seed.parse_config(["--env", "sokoban"], cls=sft.SFTConfig, env_defaults=sft.ENV_DEFAULTS)
+    assert (c.temperature, c.lr, c.max_steps) == (1.0, 2e-6, 15)
+
+
+def test_stage1_draws_m_over_6_tasks_per_alfworld_family(tmp_path):
+    """On 12 generated games (2 of each family): M/6 per family, distinct games while a family has enough,
+    the same draw for the same seed; an env without families gets a plain draw of distinct tasks."""
+    import numpy as np
+    from envs.alfworld import FAMILIES, family_of
+    p = run(["-m", "envs.alfworld_gen", "--out", str(tmp_path), "--train", "12", "--valid_seen", "0",
+             "--valid_unseen", "0", "--seed", "0", "--workers", "1"], timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    probe = envs.make("alfworld", data_dir=str(tmp_path), split="train")
+    for m in (12, 18):
+        tasks = sft.draw_tasks(probe, m, np.random.default_rng(0))
+        fams = [family_of(probe.games[t]) for t in tasks]
+        assert len(tasks) == m and all(fams.count(f) == m // 6 for f in FAMILIES.values())
+        assert len(set(tasks)) == min(m, 12)
+    assert sft.draw_tasks(probe, 18, np.random.default_rng(0)) == tasks                  # seeded
+    plain = sft.draw_tasks(envs.make("sokoban"), 20, np.random.default_rng(0))
+    assert len(set(plain)) == 20
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--env", "nope"], "unknown --env"),
     (["--algo", "ppo"], "unknown --algo"),
@@ -61,6 +92,8 @@ def test_flags_env_columns_and_overrides():
     (["--data_dir", "/no/such/dir"], "--data_dir /no/such/dir"),
     (["--env", "sokoban", "--algo", "static_skills", "--init", ""], "skill library"),
     (["--env", "sokoban", "--micro_batch_size", "0"], "--micro_batch_size must be positive"),
+    (["--env", "sokoban", "--train_fraction", "0"], "--train_fraction must be in (0, 1]"),
+    (["--env", "sokoban", "--train_fraction", "1.5"], "--train_fraction must be in (0, 1]"),
 ])
 def test_bad_flags_stop_at_start_up(flags, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -100,8 +133,14 @@ def test_sft_writes_a_checkpoint_seed_accepts(sft_ckpt, games):
         assert os.path.exists(os.path.join(sft_ckpt, name)), name
     summary = json.load(open(os.path.join(sft_ckpt, "stage1.json")))
     assert summary["episodes"] == 4 and summary["parsed"] == 4 and summary["skills"] == 4
+    assert (summary["train_pairs"], summary["val_pairs"]) == (3, 1)       # 10% held out, at least one
+    assert len(summary["val_loss"]) == 2 and all(0 < v < 20 for v in summary["val_loss"])   # one per epoch
     log = [json.loads(x) for x in open(os.path.join(sft_ckpt, "sft_log.jsonl"))]
-    assert len(log) == 2 * 2 and log[-1]["loss"] < 0.5 * log[0]["loss"]
+    assert len(log) == 2 * 2 and log[-1]["loss"] < 0.5 * log[0]["loss"]   # 2 steps per epoch on 3 pairs
+    assert [r.get("val_loss") for r in log] == [None, summary["val_loss"][0], None, summary["val_loss"][1]]
+    total, warm = len(log), int(0.1 * len(log))                           # cosine after a linear warm-up
+    want = [k / warm if k < warm else 0.5 * (1 + math.cos(math.pi * (k - warm) / (total - warm))) for k in range(total)]
+    assert [r["lr"] for r in log] == pytest.approx([4e-4 * w for w in want])
     lib = analyzer.SkillLibrary.load(os.path.join(sft_ckpt, "skills.jsonl"))
     assert lib.retrieve("alfworld", lib.entries[0]["family"], lib.entries[0]["task"])
     seed.validate(seed.parse_config(["--init", sft_ckpt, "--data_dir", games, "--algo", "static_skills"]))
@@ -138,15 +177,17 @@ def test_annotation_is_resumable_and_never_resent(sft_ckpt, tmp_path, monkeypatc
     monkeypatch.setenv("SEED_TEST_KEY", "test-key")
     cfg = sft.SFTConfig(analyzer_url=f"http://127.0.0.1:{server.server_address[1]}/v1", analyzer_model="m",
                         analyzer_key_env="SEED_TEST_KEY", annotate_batch=2)
+    tok, budget = sft._tokenizer(cfg.model), sft.prompt_budget(cfg)
+    annotate = lambda: sft.annotate(cfg, str(tmp_path), 0, 1, episodes, tok, budget)   # noqa: E731
     try:
-        first = sft.annotate(cfg, str(tmp_path), 0, 1, episodes)
+        first = annotate()
         assert _Analyzer.calls == len(episodes) == 4 and all(first.values())
-        assert sft.annotate(cfg, str(tmp_path), 0, 1, episodes) == first and _Analyzer.calls == 4
+        assert annotate() == first and _Analyzer.calls == 4
         with open(tmp_path / "labels.rank0.jsonl") as f:
             kept = f.readlines()[:2]
         with open(tmp_path / "labels.rank0.jsonl", "w") as f:
             f.writelines(kept + ['{"key": "cut by a ki'])      # a line cut by a kill is redone
-        sft.annotate(cfg, str(tmp_path), 0, 1, episodes)
+        annotate()
         assert _Analyzer.calls == 6
     finally:
         server.shutdown()
@@ -296,10 +337,56 @@ def test_two_fsdp2_ranks_equal_one_process(single_update, tmp_path):
     assert_checkpoint_holds_the_update(str(tmp_path), fsdp)
 
 
+# ----------------------------------------------------------------------------- the loss of one micro-batch
+
+def test_micro_loss_opd_over_skill_tokens_and_rlsd_weights(smol):
+    """seed.micro_loss on fixed rows, half of them (rows 1 and 2) with a skill, recomputed by hand from the
+    log-probs: the OPD term entering L is lambda_opd x its sum over skill tokens / the skill-token count (the
+    authors' opd_mask mean), not / all tokens; RLSD multiplies GRPO's per-token loss by its bounded weight
+    on skill rows at the start of the run and is plain GRPO at its end."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from dist_update import fixed_rows
+    model, tok = smol
+    rows = fixed_rows(model, n=4)
+    assert rows.has_skill.tolist() == [0.0, 1.0, 1.0, 0.0]
+    lens = [len(r) for r in rows.responses]
+    n_tok, n_skill = float(sum(lens)), float(lens[1] + lens[2])
+    cpu = torch.device("cpu")
+    cfg = lambda algo: seed.Config(algo=algo, kl_coef=0.0, ent_coef=0.0, lambda_opd=0.5, dtype="float32")
+
+    def loss(algo, done=0.0):   # -> (L as a float, the sums)
+        value, sums = seed.micro_loss(model, rows, cfg(algo), tok.pad_token_id, n_tok, n_skill, 1, cpu, done)
+        return float(value.detach()), sums
+
+    with torch.no_grad():
+        lp, mask, _ = grpo.response_logprobs(model, rows.prompts, rows.responses, tok.pad_token_id)   # [4, R]
+    R = lp.shape[1]
+    old, ls = seed.pad(rows.old, R), seed.pad(rows.skill, R)
+    skill = rows.has_skill[:, None] * mask
+    pg = grpo.policy_loss(lp, old, rows.adv, mask)                                               # [4, R]
+    l_grpo, _ = loss("grpo")
+    assert l_grpo == pytest.approx(float(pg.sum()) / n_tok, rel=1e-4)
+    l_seed, sums = loss("seed")
+    g = torch.sigmoid(5.0 * (ls - lp))
+    opd_mean = float((g * (ls - lp) * skill).sum()) / n_skill
+    assert sums["skill_tokens"] == n_skill and sums["opd"] / n_skill == pytest.approx(opd_mean, rel=1e-4)
+    assert l_seed - l_grpo == pytest.approx(0.5 * opd_mean, rel=1e-3, abs=1e-6)
+    assert abs(opd_mean * n_skill / n_tok - opd_mean) > 1e-3          # the old all-token mean would differ
+    w = torch.exp(torch.sign(rows.adv)[:, None] * (ls - lp)).clamp(1 - seed.RLSD_EPS, 1 + seed.RLSD_EPS)
+    w = 1 + skill * (w - 1)                                                                      # [4, R]
+    l_rlsd, sums = loss("rlsd")
+    assert l_rlsd == pytest.approx(float((pg * w * mask).sum()) / n_tok, rel=1e-4)
+    assert l_rlsd != pytest.approx(l_grpo, rel=1e-3)
+    assert sums["rlsd_weight"] / n_skill == pytest.approx(float((w * skill).sum()) / n_skill, rel=1e-5)
+    assert loss("rlsd", 1.0)[0] == pytest.approx(l_grpo, rel=1e-6)               # annealed out
+
+
 # ----------------------------------------------------------------------------- every baseline is one flag
 
-def test_every_baseline_runs_one_update(tmp_path):
-    """One tiny update of each baseline on Sokoban from the base model, with a hand-written skill library."""
+def test_every_baseline_runs_one_update(tmp_path, monkeypatch):
+    """One tiny update of each baseline on Sokoban from the base model, with a hand-written skill library;
+    vanilla and skill_prompt only evaluate. Every rollout call is recorded (skills passed, temperature) to
+    check who plays with a skill in the prompt."""
     lib = analyzer.SkillLibrary()
     lib.add("sokoban", "", "push the box onto the target", "Walk around the box and push it toward the target.")
     lib.save(str(tmp_path / "skills.jsonl"))
@@ -307,17 +394,53 @@ def test_every_baseline_runs_one_update(tmp_path):
               "--tasks_per_update", "1", "--group_size", "2", "--max_steps", "1", "--max_tokens", "16",
               "--engine", "hf", "--eval_every", "0", "--eval_tasks", "1", "--analyzer_max_tokens", "16",
               "--analyzer_retries", "0", "--micro_batch_size", "2", "--kl_coef", "0"]
-    got = {}
-    for algo in ("skill_grpo", "static_skills", "opsd", "grpo_opsd", "skill_prompt"):
+    calls, collect = [], rollout.collect
+    def recording(*a, **kw):
+        calls[-1].append((kw.get("skills") is not None, kw.get("temperature")))
+        return collect(*a, **kw)
+    monkeypatch.setattr(rollout, "collect", recording)
+    extra = {"skill_grpo": ["--eval_every", "1"], "skill_grpo_star": ["--eval_every", "1"],
+             "rlsd": ["--train_fraction", "0.00001"], "vanilla": ["--updates", "7"]}
+    got, seen = {}, {}
+    for algo in ("skill_grpo", "skill_grpo_star", "static_skills", "opsd", "grpo_opsd", "rlsd", "skill_sd",
+                 "skill_prompt", "vanilla"):
         out = str(tmp_path / algo)
-        seed.main(common + ["--algo", algo, "--out", out])
-        got[algo] = lines(out)
-    assert [m["update"] for m in got["skill_prompt"]] == [0] and "eval/test/success" in got["skill_prompt"][0]
-    assert "loss/pg" not in got["skill_prompt"][0]
-    eps = [json.loads(x) for x in open(tmp_path / "skill_grpo" / "episodes" / "update_0000.jsonl")]
-    assert all("Walk around the box" in e["first_prompt"] for e in eps)             # skill in the actor's context
-    assert "loss/opd" not in got["skill_grpo"][0]
-    s = got["static_skills"][0]
-    assert s["skill_rate"] == 1.0 and s["loss/opd"] != 0 and 0 < s["gate/mean"] < 1
+        calls.append([])
+        seed.main(common + ["--algo", algo, "--out", out] + extra.get(algo, []))
+        got[algo], seen[algo] = lines(out), calls[-1]
+    for algo in ("skill_prompt", "vanilla"):                                         # evaluation only
+        assert [m["update"] for m in got[algo]] == [0] and "eval/test/success" in got[algo][0]
+        assert "loss/pg" not in got[algo][0] and not os.path.exists(tmp_path / algo / "checkpoint")
+        assert json.load(open(tmp_path / algo / "config.json"))["updates"] == 0      # --updates does not apply
+    assert seen["skill_prompt"] == [(True, 0.4)] and seen["vanilla"] == [(False, 0.4)]
+    # skill_grpo and skill_grpo_star train alike (the skill in the actor's context); only star evaluates with it
+    eps = [json.loads(x) for x in open(tmp_path / "skill_grpo_star" / "episodes" / "update_0000.jsonl")]
+    assert all("Walk around the box" in e["first_prompt"] for e in eps)
+    assert seen["skill_grpo"] == [(True, 1.0), (False, 0.4)] and seen["skill_grpo_star"] == [(True, 1.0), (True, 0.4)]
+    assert "loss/opd" not in got["skill_grpo"][0] and "loss/opd" not in got["skill_grpo_star"][0]
+    for algo in ("static_skills", "skill_sd"):                                       # library skill, teacher only
+        s = got[algo][0]
+        assert s["skill_rate"] == 1.0 and s["skill_token_frac"] == 1.0 and s["loss/opd"] != 0, algo
+        assert seen[algo] == [(False, 1.0)], algo                                    # never in the actor's prompt
+    assert 0 < got["static_skills"][0]["gate/mean"] < 1
     assert got["opsd"][0]["loss/pg"] == 0 and got["opsd"][0]["skill_rate"] in (0.0, 0.5, 1.0)
     assert "loss/opd" in got["grpo_opsd"][0]
+    r = got["rlsd"][0]
+    assert "loss/opd" not in r and "rlsd/weight_mean" in r and r["loss/pg"] is not None
+    if r["skill_rate"] > 0:
+        assert 1 - seed.RLSD_EPS <= r["rlsd/weight_mean"] <= 1 + seed.RLSD_EPS
+    subset = set(seed.train_subset(1_000_000, 0.00001, 0).tolist())                 # 10 of Sokoban's tasks
+    eps = [json.loads(x) for x in open(tmp_path / "rlsd" / "episodes" / "update_0000.jsonl")]
+    assert eps and all(e["task_id"] in subset for e in eps)
+
+
+def test_train_fraction_subset():
+    """--train_fraction f: the first ceil(f n) of a seeded permutation, the same for a seed, another for
+    another seed; f = 1 is every task in order (the data order of a full run is unchanged)."""
+    for f, n, k in ((0.2, 10, 2), (0.6, 5, 3), (0.4, 7, 3), (1.0, 6, 6), (1e-9, 100, 1)):
+        ids = seed.train_subset(n, f, 0)
+        assert len(ids) == k and len(set(ids.tolist())) == k and all(0 <= i < n for i in ids)
+    assert seed.train_subset(1000, 0.2, 3).tolist() == seed.train_subset(1000, 0.2, 3).tolist()
+    assert seed.train_subset(1000, 0.2, 3).tolist() != seed.train_subset(1000, 0.2, 4).tolist()
+    assert seed.train_subset(6, 1.0, 5).tolist() == list(range(6))
+    assert set(seed.train_subset(1000, 0.2, 3).tolist()) < set(seed.train_subset(1000, 0.4, 3).tolist())
