@@ -1,14 +1,16 @@
-"""Hindsight analysis: an episode becomes a skill (Section 3.2 "self-evolving analyzer", and the Stage-1
-annotators of Section 3.5).
+"""Hindsight analysis: an episode becomes a skill (Section 3.3, on-policy skill generation by the analyzer,
+and the Stage-1 annotators of Section 3.2).
 
 The analyzer reads a finished episode (task, outcome, every step's observation, full response and
 validity) and answers with one JSON object {"episode_summary": ..., "episode_skill": ...}: a reusable
 workflow for a success, an avoidance rule for a failure, addressed to the policy. During RL the analyzer is
-the snapshot pi_old itself (`analyze`, greedy, up to 2 corrective retries on a parse failure); in Stage 1 it
-is an external OpenAI-compatible endpoint (`ExternalAnalyzer`) or, offline, `scripted_analysis`, which
-writes the skill from the env's own expert plan and the failure it saw. `insert_skill` puts a skill into an
-actor prompt (re-scoring, the skill_grpo and skill_prompt baselines); `SkillLibrary` keeps Stage-1 skills
-for the baselines that retrieve a skill instead of analyzing live.
+the snapshot pi_old itself (`analyze`: one greedy generation, as the authors; corrective retries on a parse
+failure are optional); in Stage 1 it is an external OpenAI-compatible endpoint (`ExternalAnalyzer`, one
+request per episode, transport retries only) or, offline, `scripted_analysis`, which writes the skill from the
+env's own expert plan and the failure it saw. Both stages read the same prompt (`fit_prompt`: the whole
+episode, trimmed only beyond the analyzer's own token budget), so a Stage-1 example is what Stage 2 asks.
+`insert_skill` puts a skill into an actor prompt (re-scoring, the skill_grpo and skill_prompt baselines);
+`SkillLibrary` keeps Stage-1 skills for the baselines that retrieve a skill instead of analyzing live.
 """
 import json
 import os
@@ -52,10 +54,10 @@ def _render_steps(ep, obs_keep, resp_cap):
     return "\n".join(lines)
 
 
-def analysis_prompt(episode, max_chars=12000):
-    """-> chat messages asking for {"episode_summary", "episode_skill"} about `episode`.
-    To fit `max_chars` (about 4 characters a token), old observations are trimmed first (oldest first,
-    the last one is kept), then old responses are shortened."""
+def analysis_prompt(episode, max_chars=None):
+    """-> chat messages asking for {"episode_summary", "episode_skill"} about `episode`, whole (every step's
+    observation and full response) unless the user message exceeds `max_chars`: then old observations are
+    trimmed first (oldest first, the last one is kept), then old responses are shortened."""
     ep = episode
     head = (f"Environment: {ep.env}\nTask: {ep.task}\nOutcome: {_outcome(ep)}\n\n# Trajectory\n")
     tail = ("# Your job\nWrite one skill the agent should follow next time it meets a similar task.\n"
@@ -67,8 +69,8 @@ def analysis_prompt(episode, max_chars=12000):
               "not a copy of this episode's step numbers.\n"
               'Answer with only this JSON object:\n{"episode_summary": "<what happened, one or two sentences>", '
               '"episode_skill": "<the skill>"}')
-    n, budget = ep.length, max_chars - len(head) - len(tail)
-    body = _render_steps(ep, 0, 10**9)
+    n, body = ep.length, _render_steps(ep, 0, 10**9)
+    budget = len(body) if max_chars is None else max_chars - len(head) - len(tail)
     for keep in range(1, n):                                    # trim observations, oldest first
         if len(body) <= budget:
             break
@@ -112,8 +114,8 @@ def _shorten(skill):
     return cut[:end + 1] if end > MAX_SKILL_CHARS // 3 else cut[:cut.rfind(" ")].rstrip(",;:") + "..."
 
 
-def _parse(text):
-    """-> (dict or None, reason for the corrective message)."""
+def _parse(text, lenient=False):
+    """-> (dict or None, reason for the corrective message). `lenient`: any non-empty skill passes."""
     if not isinstance(text, str) or not text.strip():
         return None, "the answer was empty"
     objs = list(_json_objects(text))
@@ -125,6 +127,8 @@ def _parse(text):
         skill, summary = _clean(obj["episode_skill"]), _clean(obj.get("episode_summary", ""))
         if skill is None:
             return None, '"episode_skill" must be a string'
+        if lenient and skill:
+            return {"episode_summary": summary or "", "episode_skill": _shorten(skill)}, ""
         bare = skill.strip(" .\"'<>").lower()
         echo = skill.startswith("<") and skill.endswith(">")              # the prompt's own placeholder
         if echo or bare in PLACEHOLDERS or len(bare) < 12 or len(bare.split()) < 3:
@@ -135,37 +139,48 @@ def _parse(text):
     return None, 'the JSON object had no "episode_skill" key'
 
 
-def parse_analysis(text):
+def parse_analysis(text, lenient=False):
     """The analyzer's answer -> {"episode_summary", "episode_skill"} or None. Tolerates code fences and
     text around the JSON (the first object with an "episode_skill" key wins); rejects a missing, empty,
-    placeholder or trivial skill (fewer than 3 words / 12 characters, mostly non-letters). Never evals."""
-    return _parse(text)[0]
+    placeholder or trivial skill (fewer than 3 words / 12 characters, mostly non-letters). Never evals.
+    `lenient=True` is Stage 1's label filter (the authors' pipeline): any non-empty skill string is kept."""
+    return _parse(text, lenient)[0]
 
 
 # ----------------------------------------------------------------------------- the live analyzer (pi_old)
 
 def fit_prompt(episode, tokenizer, max_prompt_tokens):
-    """analysis_prompt shrunk (old observations first) until its chat ids fit `max_prompt_tokens`."""
-    chars = 4 * max_prompt_tokens
+    """The analysis prompt both stages use (Stage-1 examples and labels, Stage-2 `analyze`): the whole episode
+    when its chat ids fit `max_prompt_tokens` (the analyzer's own budget, 16,384 tokens by default as the
+    authors' analysis context), else shrunk by analysis_prompt's rule (old observations first) until it fits."""
+    msgs = analysis_prompt(episode)
+    chars = len(msgs[1]["content"])
     for _ in range(8):
-        msgs = analysis_prompt(episode, max_chars=chars)
         n = len(rollout.chat_ids(tokenizer, msgs))
         if n <= max_prompt_tokens:
             break
         chars = int(chars * max_prompt_tokens / n * 0.95)
+        msgs = analysis_prompt(episode, max_chars=chars)
     return msgs
 
 
-def analyze(engine, tokenizer, episodes, max_tokens=256, retries=2, max_prompt_tokens=None):
-    """Greedy analysis of every episode by the snapshot, batched: one `engine.generate` call per round over
-    all episodes still unparsed; a failed parse gets the bad answer back plus a corrective message, up to
-    `retries` more rounds. Sets ep.summary / ep.skill (None when it never parsed).
+def answer_room(max_tokens, retries):
+    """Context an analysis needs beyond its prompt: the answer, plus per corrective retry the bad answer kept
+    in the conversation, the corrective message (< 96 tokens) and a new answer."""
+    return (retries + 1) * max_tokens + 96 * retries
+
+
+def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_tokens=None):
+    """Greedy analysis of every episode by the snapshot, batched: one `engine.generate` call over all episodes
+    (the authors' Stage 2: one greedy generation, no retries); with `retries` > 0, a failed parse gets the bad
+    answer back plus a corrective message, up to `retries` more rounds over the episodes still unparsed.
+    Sets ep.summary / ep.skill (None when it never parsed).
     -> {"episodes", "parsed", "parse_failures", "parse_failure_rate", "first_try_failures", "generate_calls"}.
-    `engine` is any object with the CONTRACT's generate(prompt_ids_list, temperature, max_tokens, n). The
-    prompt is trimmed to `max_prompt_tokens` (default: the engine's max_model_len minus room for every
-    answer and corrective message of the retries)."""
-    if max_prompt_tokens is None:
-        max_prompt_tokens = getattr(engine, "max_model_len", 4096) - (retries + 1) * max_tokens - 96 * retries
+    `engine` is any object with the CONTRACT's generate(prompt_ids_list, temperature, max_tokens, n). Each
+    episode is read whole up to `max_prompt_tokens` (fit_prompt), never beyond what the engine's max_model_len
+    leaves after `answer_room` (the default budget)."""
+    room = getattr(engine, "max_model_len", 4096) - answer_room(max_tokens, retries)
+    max_prompt_tokens = room if max_prompt_tokens is None else min(max_prompt_tokens, room)
     if max_prompt_tokens < 256:
         raise ValueError(f"max_tokens={max_tokens} with {retries} retries leaves {max_prompt_tokens} prompt "
                          f"tokens for the analysis; raise the engine's max_model_len or lower max_tokens")
@@ -279,14 +294,16 @@ def scripted_analysis(episode, max_steps=None):
 # ----------------------------------------------------------------------------- the external analyzer
 
 class ExternalAnalyzer:
-    """Client of any OpenAI-compatible chat endpoint (POST {base_url}/chat/completions, temperature 0).
-    base_url is the API root, e.g. "http://127.0.0.1:8000/v1". The key is read from the environment
-    variable `api_key_env` (optional for local servers) and never printed. Each request: `timeout` seconds,
-    up to `retries` retries with exponential backoff on connection errors, timeouts, 429 and 5xx; then a
-    RuntimeError naming the URL. `concurrency` requests run at once."""
+    """Client of any OpenAI-compatible chat endpoint (POST {base_url}/chat/completions, temperature 0): the
+    Stage-1 annotator. base_url is the API root, e.g. "http://127.0.0.1:8000/v1". The key is read from the
+    environment variable `api_key_env` (optional for local servers) and never printed. Each request: `timeout`
+    seconds, up to `retries` retries with exponential backoff on connection errors, timeouts, 429 and 5xx (5
+    attempts, as the authors' --skill-retries 5); then a RuntimeError naming the URL. One request per episode
+    (the authors' pipeline); `parse_retries` > 0 adds corrective follow-ups on an answer that does not parse.
+    Up to `max_tokens` new tokens (the authors' 1,024). `concurrency` requests run at once."""
 
     def __init__(self, base_url, model, api_key_env="SEED_ANALYZER_KEY", timeout=60, retries=4,
-                 concurrency=8, backoff=1.0, max_tokens=512, parse_retries=2):
+                 concurrency=8, backoff=1.0, max_tokens=1024, parse_retries=0):
         self.url = base_url.rstrip("/")
         if not self.url.endswith("/chat/completions"):
             self.url += "/chat/completions"
@@ -335,22 +352,22 @@ class ExternalAnalyzer:
         raise RuntimeError(f"analyzer endpoint {self.url} unreachable after {self.retries + 1} attempts "
                            f"(last error: {last})")
 
-    def _one(self, episode):
-        msgs = analysis_prompt(episode)
+    def _one(self, msgs):
         for _ in range(self.parse_retries + 1):
             text = self.chat(msgs)
-            parsed, why = _parse(text)
+            parsed, why = _parse(text, lenient=True)
             if parsed:
                 return parsed
             msgs = msgs + [{"role": "assistant", "content": text},
                            {"role": "user", "content": CORRECTION.format(why=why)}]
         return None
 
-    def annotate(self, episodes, progress=True):
-        """-> one {"episode_summary", "episode_skill"} or None (never parsed) per episode, in order."""
+    def annotate(self, prompts, progress=True):
+        """`prompts`: one analysis prompt (chat messages, `fit_prompt`) per episode. -> one
+        {"episode_summary", "episode_skill"} (a non-empty skill) or None per prompt, in order."""
         from tqdm import tqdm
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(tqdm(pool.map(self._one, episodes), total=len(episodes), desc="external analyzer",
+            return list(tqdm(pool.map(self._one, prompts), total=len(prompts), desc="external analyzer",
                              disable=not progress))
 
 

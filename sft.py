@@ -1,15 +1,24 @@
-"""SEED Stage 1: teach the model to analyze its own episodes (Section 3.5; DESIGN section 1).
+"""SEED Stage 1: teach the model to analyze its own episodes (Section 3.2, hindsight-skill SFT; DESIGN
+sections 1 and 3).
 
-    episodes <- collect(base model, M tasks, K0 episodes each)            # rollout.collect, temperature 1
-    labels   <- annotate(episodes)    the external analyzer (any OpenAI-compatible endpoint, temperature 0)
-                                      or, for the offline envs, the scripted one (the env's expert plan)
-    keep the labels that parse as {"episode_summary", "episode_skill"}
-    fine-tune N epochs on  analysis_prompt(episode) -> JSON  with the loss on the JSON only
+    tasks    <- M tasks, seeded; ALFWorld: M/6 of each task family              # draw_tasks
+    episodes <- collect(base model, tasks, K0 episodes each)      # rollout.collect, temperature 0.4
+    labels   <- annotate(episodes)    the external analyzer (any OpenAI-compatible endpoint, temperature 0,
+                                      one request per episode) or, for the offline envs, the scripted one
+    keep the labels whose "episode_skill" is a non-empty string
+    pairs    <- fit_prompt(episode) -> JSON    (the very prompt Stage 2's analyzer reads); 10% held out
+    fine-tune N epochs (AdamW betas (0.9, 0.95), cosine lr with 10% linear warm-up, batch 8), loss on the
+    JSON only; validation loss after every epoch
     save an HF checkpoint + tokenizer (what `seed.py --init` takes) and the skill library next to it
 
 Collection and annotation are cached under <out>/stage1/ (one JSON line per episode and per label):
 a restarted run reuses the episodes and sends nothing twice to the analyzer. Runs under plain python or
 torchrun (each rank collects and annotates its share of the tasks; training is DDP or FSDP2 as in seed.py).
+
+`--stage warmup` is not part of the method: the CPU testbed's warm start (README) for a model too small to
+write the action format (the embedded 135M model; the paper's backbones start from the instruct model).
+The env's expert plays --tasks tasks and the model is fine-tuned, with the same loss and loop, on
+actor prompt -> the expert's move in the env's response format; the loss on held-out tasks is reported.
 """
 import dataclasses
 import gc
@@ -35,6 +44,7 @@ from rollout import Episode, Step
 @dataclass
 class SFTConfig:
     env: str = "alfworld"              # benchmark: alfworld | webshop | search | sokoban | ezpoints
+    stage: str = "analyzer"            # analyzer (Stage 1) | warmup (the CPU testbed's warm start: clone the expert)
     model: str = "smollm2-135m"        # base model: "smollm2-135m" (embedded), a local folder or a cached HF name
     out: str = ""                      # checkpoint folder ("" = runs/sft-<env>)
     seed: int = 0                      # seed of the task draw, the sampling and the data order
@@ -45,7 +55,7 @@ class SFTConfig:
     history_length: int = 5            # past (observation, action) pairs in the actor prompt
     max_prompt_tokens: int = 2048      # longest actor prompt the engine accepts
     max_tokens: int = 512              # response tokens per turn
-    temperature: float = 1.0           # rollout temperature
+    temperature: float = 0.4           # rollout temperature (authors' Stage 1; Sokoban / EZPoints 1.0)
     data_dir: str = ""                 # env data folder ("" = the env's default)
     retriever_url: str = "http://127.0.0.1:8000/retrieve"   # search QA retriever
     engine: str = "vllm"               # rollout engine: vllm | hf
@@ -54,11 +64,15 @@ class SFTConfig:
     analyzer_model: str = ""           # model name the endpoint serves (GLM-5.2 in the paper)
     analyzer_key_env: str = "SEED_ANALYZER_KEY"   # environment variable holding the API key (never logged)
     annotate_batch: int = 32           # episodes per annotation round (each round is cached)
+    analyzer_max_prompt_tokens: int = 16384   # analysis prompt budget, as seed.py's (the same prompt in both stages)
+    analyzer_max_tokens: int = 1024    # new tokens per external analysis (authors' 1,024), kept free in the context
     epochs: int = 3                    # SFT epochs
-    lr: float = 5e-6                   # AdamW learning rate, constant
-    weight_decay: float = 0.01         # AdamW weight decay
+    val_fraction: float = 0.1          # share of the (prompt, JSON) pairs held out for the validation loss (seeded)
+    lr: float = 5e-6                   # AdamW peak learning rate (Sokoban / EZPoints 2e-6)
+    warmup_ratio: float = 0.1          # linear warm-up over this share of the steps, then cosine decay to 0
+    weight_decay: float = 0.01         # AdamW weight decay (betas (0.9, 0.95), as the authors' SFT trainer)
     grad_clip: float = 1.0             # max global grad norm
-    batch_size: int = 16               # examples per optimizer step, over all ranks
+    batch_size: int = 8                # examples per optimizer step, over all ranks
     micro_batch_size: int = 4          # examples per forward on one rank
     fsdp: bool = False                 # FSDP2 instead of DDP under torchrun
     gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
@@ -66,6 +80,9 @@ class SFTConfig:
 
 ENV_DEFAULTS = {env: {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(SFTConfig)}}
                 for env, d in seed.ENV_DEFAULTS.items()}
+for _env in ("sokoban", "ezpoints"):          # the authors' Sokoban / EZPoints Stage 1
+    ENV_DEFAULTS[_env].update(temperature=1.0, lr=2e-6)
+BETAS = (0.9, 0.95)                           # AdamW betas of the authors' SFT trainer
 
 
 def validate(cfg):
@@ -81,13 +98,20 @@ def validate(cfg):
             find_data_dir(None)
         except Exception:
             seed.fail(f"no ALFWorld games found (data/alfworld or $ALFWORLD_DATA); {HOW_TO_GET_GAMES}")
+    if cfg.stage not in ("analyzer", "warmup"):
+        seed.fail(f"unknown --stage {cfg.stage!r}; choose analyzer or warmup")
+    if cfg.stage == "warmup" and cfg.env not in EXPERT_THOUGHTS:
+        seed.fail(f"--stage warmup needs an env with an expert: {', '.join(EXPERT_THOUGHTS)}")
     if bool(cfg.analyzer_url) != bool(cfg.analyzer_model):
         seed.fail("the external analyzer needs both --analyzer_url and --analyzer_model")
     if cfg.env == "webshop" and not cfg.analyzer_url:
         seed.fail("WebShop has no expert plan for the scripted annotator; pass --analyzer_url/--analyzer_model")
-    for name in ("tasks", "k0", "epochs", "batch_size", "micro_batch_size", "collect_batch", "annotate_batch"):
+    for name in ("tasks", "k0", "epochs", "batch_size", "micro_batch_size", "collect_batch", "annotate_batch",
+                 "analyzer_max_tokens", "analyzer_max_prompt_tokens"):
         if getattr(cfg, name) < 1:
             seed.fail(f"--{name} must be positive, got {getattr(cfg, name)}")
+    if not (0 <= cfg.val_fraction < 1 and 0 <= cfg.warmup_ratio < 1):
+        seed.fail(f"--val_fraction and --warmup_ratio must be in [0, 1), got {cfg.val_fraction}, {cfg.warmup_ratio}")
 
 
 # ----------------------------------------------------------------------------- the cache (resumable)
@@ -124,6 +148,37 @@ def append_jsonl(path, records):
 
 # ----------------------------------------------------------------------------- Stage 1
 
+def draw_tasks(probe, m, rng):
+    """The M Stage-1 tasks. An env whose games carry a family (ALFWorld) is drawn stratified, as the authors:
+    M/6 tasks of each of its six families (30 each for M = 180; a remainder goes to the first families),
+    at random within a family, repeating a family's games only when it has fewer than its share. Other envs:
+    M distinct tasks at random (with repeats only when M exceeds the tasks there are)."""
+    if probe.name != "alfworld":
+        return (rng.permutation(probe.num_tasks)[:m] if m <= probe.num_tasks
+                else rng.integers(probe.num_tasks, size=m)).tolist()
+    from envs.alfworld import FAMILIES, family_of
+    pools = [[i for i, g in enumerate(probe.games) if family_of(g) == f] for f in FAMILIES.values()]
+    pools = [p for p in pools if p]                        # task ids of each family present
+    out = []
+    for k, pool in enumerate(pools):
+        share = m // len(pools) + (k < m % len(pools))
+        while share > 0:
+            take = rng.permutation(pool)[:share].tolist()
+            out, share = out + take, share - len(take)
+    return out
+
+
+def split_pairs(examples, fraction, rng):
+    """-> (train, validation): `fraction` of the pairs held out at random (at least one when fraction > 0
+    and there are two or more, as the authors' split)."""
+    n = len(examples)
+    k = int(round(n * fraction))
+    if fraction > 0 and n > 1:
+        k = max(1, min(k, n - 1))
+    order = rng.permutation(n)
+    return [examples[i] for i in order[k:]], [examples[i] for i in order[:k]]
+
+
 def collect_episodes(cfg, cache, rank, world, tasks):
     """Play K0 episodes of each of this rank's tasks (cached: tasks already played are skipped).
     -> {key: Episode} for every task of every rank played so far."""
@@ -157,20 +212,29 @@ def _tokenizer(model):
     return tok
 
 
-def annotate(cfg, cache, rank, world, episodes):
-    """Label every episode (external endpoint or scripted), caching each round: labels already in the cache
-    are never requested again. Keeps what parses. -> {key: {"episode_summary", "episode_skill"} or None}."""
+def prompt_budget(cfg):
+    """The analysis prompt budget, computed as seed.py computes it (the model's context caps it)."""
+    return seed.analysis_budget(rollout.resolve_model(cfg.model), cfg.analyzer_max_prompt_tokens,
+                                cfg.analyzer_max_tokens)[0]
+
+
+def annotate(cfg, cache, rank, world, episodes, tok, budget):
+    """Label every episode (external endpoint, reading the `fit_prompt` of the episode at `budget` tokens, or
+    scripted), caching each round: labels already in the cache are never requested again. Keeps a label
+    whose episode_skill is a non-empty string (the authors' filter).
+    -> {key: {"episode_summary", "episode_skill"} or None}."""
     labels = {d["key"]: d["analysis"] for d in read_jsonl(os.path.join(cache, "labels.rank*.jsonl"))}
     keys = sorted(episodes)
     todo = [k for n, k in enumerate(keys) if n % world == rank and k not in labels]
-    client = (analyzer.ExternalAnalyzer(cfg.analyzer_url, cfg.analyzer_model, api_key_env=cfg.analyzer_key_env)
-              if cfg.analyzer_url else None)
+    client = (analyzer.ExternalAnalyzer(cfg.analyzer_url, cfg.analyzer_model, api_key_env=cfg.analyzer_key_env,
+                                        max_tokens=cfg.analyzer_max_tokens) if cfg.analyzer_url else None)
     bar = tqdm(total=len(todo), desc="annotate", disable=rank != 0)
     for i in range(0, len(todo), cfg.annotate_batch):
         batch = todo[i:i + cfg.annotate_batch]
         eps = [episodes[k] for k in batch]
-        raw = client.annotate(eps, progress=False) if client else [analyzer.scripted_analysis(ep) for ep in eps]
-        parsed = [analyzer.parse_analysis(json.dumps(a)) if a else None for a in raw]   # keep what parses
+        raw = (client.annotate([analyzer.fit_prompt(ep, tok, budget) for ep in eps], progress=False) if client
+               else [analyzer.scripted_analysis(ep) for ep in eps])
+        parsed = [analyzer.parse_analysis(json.dumps(a), lenient=True) if a else None for a in raw]
         append_jsonl(os.path.join(cache, f"labels.rank{rank}.jsonl"),
                      [{"key": k, "analysis": p} for k, p in zip(batch, parsed)])
         bar.update(len(batch))
@@ -179,27 +243,51 @@ def annotate(cfg, cache, rank, world, episodes):
     return {d["key"]: d["analysis"] for d in read_jsonl(os.path.join(cache, "labels.rank*.jsonl"))}
 
 
-def make_examples(tok, episodes, labels):
-    """analysis prompt (chat ids) -> the label as compact JSON + end-of-turn token."""
+def make_examples(tok, episodes, labels, budget):
+    """The analysis prompt Stage 2 would feed (fit_prompt at `budget` tokens; chat ids) -> the label as compact
+    JSON + end-of-turn token."""
     out = []
     for key in sorted(labels):
         lab = labels[key]
         if lab and key in episodes:
-            prompt = rollout.chat_ids(tok, analyzer.analysis_prompt(episodes[key]))
+            prompt = rollout.chat_ids(tok, analyzer.fit_prompt(episodes[key], tok, budget))
             target = json.dumps({"episode_summary": lab["episode_summary"], "episode_skill": lab["episode_skill"]})
             out.append((prompt, tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
     return out
 
 
-def finetune(cfg, examples, rank, world, device):
-    """N epochs of token-mean NLL on the completion only (prompt masked); global token count under DDP.
-    -> (model, per-step log)."""
+def nll_sum(model, batch, pad_id, cfg, device, grad):
+    """-> (summed NLL of the completion tokens [scalar tensor], their count) of (prompt, completion) pairs."""
+    with seed.autocast(device, seed.resolved_dtype(cfg)):
+        lp, mask, _ = grpo.response_logprobs(model, [p for p, _ in batch], [c for _, c in batch], pad_id,
+                                             grad=grad)   # [rows, R]
+    return -(lp * mask).sum(), float(mask.sum())
+
+
+def val_loss(model, val, rank, world, cfg, device, pad_id):
+    """Token-mean NLL of the held-out pairs over all ranks (every rank runs as many forwards: FSDP)."""
+    mine, total, count = val[rank::world], 0.0, 0.0
+    with torch.no_grad():
+        for idx in seed.chunked(len(mine), cfg.micro_batch_size, same_count=True):
+            s, n = nll_sum(model, [mine[i] for i in idx] if idx else val[:1], pad_id, cfg, device, grad=False)
+            total, count = (total + float(s), count + n) if idx else (total, count)
+    return seed.all_sum(total) / max(seed.all_sum(count), 1.0)
+
+
+def finetune(cfg, examples, val, rank, world, device):
+    """N epochs of token-mean NLL on the completion only (prompt masked); global token count under DDP;
+    AdamW with the authors' betas, cosine lr after a linear warm-up; the validation loss after each epoch.
+    -> (model, tokenizer, per-step log, per-epoch validation losses)."""
+    from transformers import get_cosine_schedule_with_warmup
     model, tok, _ = rollout.load_model(cfg.model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     wrapped = seed.wrap(model, cfg, device, world)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    sched = get_cosine_schedule_with_warmup(opt, int(cfg.warmup_ratio * cfg.epochs * steps_per_epoch),
+                                            cfg.epochs * steps_per_epoch)
+    val_log = []
     log, bar = [], tqdm(total=cfg.epochs * steps_per_epoch, desc="sft", disable=rank != 0)
     for epoch in range(cfg.epochs):
         order = np.random.default_rng([cfg.seed, epoch]).permutation(len(examples))   # same on every rank
@@ -210,60 +298,148 @@ def finetune(cfg, examples, rank, world, device):
             micros, total = seed.chunked(len(batch), cfg.micro_batch_size, same_count=True), 0.0
             for k, idx in enumerate(micros):
                 mb = [batch[i] for i in idx] if idx else examples[:1]       # filler: weight 0
-                with seed.grad_sync(wrapped, k == len(micros) - 1), seed.autocast(device, seed.resolved_dtype(cfg)):
-                    lp, mask, _ = grpo.response_logprobs(wrapped, [p for p, _ in mb], [c for _, c in mb],
-                                                         tok.pad_token_id, grad=True)   # [rows, R]
-                    nll = -grpo.masked_mean(lp, mask, max(n_tok, 1.0) / world)           # share of the token mean
-                    (nll if idx else nll * 0.0).backward()
+                with seed.grad_sync(wrapped, k == len(micros) - 1):
+                    nll = nll_sum(wrapped, mb, tok.pad_token_id, cfg, device, grad=True)[0] / (max(n_tok, 1.0) / world)
+                    (nll if idx else nll * 0.0).backward()                  # share of the global token mean
                 total += float(nll.detach()) * world if idx else 0.0
             norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.grad_clip)
+            lr = sched.get_last_lr()[0]
             opt.step()
+            sched.step()
             loss = seed.all_sum(total) / world
-            log.append({"epoch": epoch, "step": len(log), "loss": loss, "tokens": n_tok,
+            log.append({"epoch": epoch, "step": len(log), "loss": loss, "tokens": n_tok, "lr": lr,
                         "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)})
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}")
+        if val:
+            val_log.append(val_loss(wrapped, val, rank, world, cfg, device, tok.pad_token_id))
+            log[-1]["val_loss"] = val_log[-1]
+            if rank == 0:
+                tqdm.write(f"[sft] epoch {epoch + 1}/{cfg.epochs}: train loss {loss:.4f}, "
+                           f"validation loss {val_log[-1]:.4f} ({len(val)} pairs)")
     bar.close()
-    return wrapped, tok, log
+    return wrapped, tok, log, val_log
+
+
+# ----------------------------------------------------------------------------- the warm start (CPU testbed)
+
+EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env with an expert
+    "alfworld": "To complete the task, my next step is to {action}.",
+    "sokoban": "On the shortest way to push the box onto the target, my next move is {action}.",
+    "ezpoints": "To build a formula that equals 12, the next token is {action}.",
+}
+
+
+def expert_response(env):
+    """The expert's next action (env.expert_action) as a response in the env's format, after a short thought:
+    EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
+    <think>...</think><action>...</action>. None when the expert has no move here."""
+    action = env.expert_action()
+    if action is None:
+        return None
+    thought = EXPERT_THOUGHTS[env.name].format(action=action)
+    if env.name == "ezpoints":
+        return json.dumps({"thoughts": thought, "action": action})
+    return f"<think>{thought}</think><action>{action}</action>"
+
+
+def expert_examples(cfg, tok, tasks, split="train"):
+    """The env's expert plays each task; every step gives one pair (the actor prompt's chat ids, exactly as
+    rollout.collect builds them -> the expert's move in the env's response format (expert_response)
+    + end of turn). The target is what the env receives, so each step is valid by construction (a test
+    replays them). -> one list of pairs per task ([] where the expert did not win within max_steps)."""
+    env, out = envs.make(cfg.env, **seed.env_kwargs(cfg, split)), []
+    for t in tasks:
+        env.reset(seed=int(t))
+        pairs, won, done = [], False, False
+        while not done and (target := expert_response(env)) is not None:
+            _, ids, _ = rollout._prompt(env, tok, None, cfg.max_prompt_tokens)
+            pairs.append((ids, tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+            _, _, terminated, truncated, info = env.step(target)
+            won, done = bool(info.get("won")), terminated or truncated
+        out.append(pairs if won else [])
+    return out
+
+
+def warmup(cfg, rank, world, device):
+    """Behaviour cloning on expert episodes (README, "CPU testbed"): a model too small to write the action
+    format learns it before Stage 1. Tasks are split (seeded) into training and held-out ones
+    (--val_fraction); the held-out loss is reported after every epoch. Same loss and loop as Stage 1
+    (finetune: completion-only token-mean NLL). Writes an HF checkpoint, sft_log.jsonl and warmup.json."""
+    t0 = time.time()
+    tok = _tokenizer(cfg.model)
+    tasks = draw_tasks(envs.make(cfg.env, **seed.env_kwargs(cfg, "train")), cfg.tasks, np.random.default_rng(cfg.seed))
+    per_task = expert_examples(cfg, tok, tasks)
+    train, val = split_pairs(per_task, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))   # by task
+    train, val = [x for t in train for x in t], [x for t in val for x in t]
+    if not train:
+        seed.fail(f"the expert won none of the {len(tasks)} training tasks within --max_steps {cfg.max_steps}")
+    if rank == 0:
+        print(f"[warmup] expert won {sum(bool(t) for t in per_task)}/{len(tasks)} tasks: {len(train)} training "
+              f"and {len(val)} held-out steps", flush=True)
+    model, tok, log, val_log = finetune(cfg, train, val, rank, world, device)
+    if save_model(model, tok, cfg.out, rank):
+        with open(os.path.join(cfg.out, "sft_log.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in log)
+        summary = {"config": dataclasses.asdict(cfg), "world_size": world, "tasks": len(tasks),
+                   "expert_won": sum(bool(t) for t in per_task), "train_steps": len(train), "val_steps": len(val),
+                   "train_loss": [log[0]["loss"], log[-1]["loss"]], "val_loss": val_log, "sec/total": time.time() - t0}
+        with open(os.path.join(cfg.out, "warmup.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(f"[warmup] saved {cfg.out} (loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, held-out "
+              f"{val_log[-1] if val_log else float('nan'):.3f}; {summary['sec/total']:.0f} s)", flush=True)
+    seed.teardown_dist()
 
 
 def main(argv=None):
     cfg = seed.parse_config(argv, cls=SFTConfig, env_defaults=ENV_DEFAULTS, doc=__doc__)
-    cfg.out = cfg.out or os.path.join("runs", f"sft-{cfg.env}")
+    cfg.out = cfg.out or os.path.join("runs", f"{'warmup' if cfg.stage == 'warmup' else 'sft'}-{cfg.env}")
     validate(cfg)
     rank, world, device = seed.setup_dist(cfg.seed)
+    if cfg.stage == "warmup":
+        return warmup(cfg, rank, world, device)
     cache = os.path.join(cfg.out, "stage1")
     os.makedirs(cache, exist_ok=True)
     t0 = time.time()
     probe = envs.make(cfg.env, **seed.env_kwargs(cfg, "train"))
-    rng = np.random.default_rng(cfg.seed)
-    tasks = (rng.permutation(probe.num_tasks)[:cfg.tasks] if cfg.tasks <= probe.num_tasks
-             else rng.integers(probe.num_tasks, size=cfg.tasks)).tolist()
+    tasks = draw_tasks(probe, cfg.tasks, np.random.default_rng(cfg.seed))   # the same on every rank and restart
     episodes = collect_episodes(cfg, cache, rank, world, tasks)
     t_collect = time.time() - t0
-    labels = annotate(cfg, cache, rank, world, episodes)
+    tok, budget = _tokenizer(cfg.model), prompt_budget(cfg)
+    labels = annotate(cfg, cache, rank, world, episodes, tok, budget)
     t_annotate = time.time() - t0 - t_collect
-    tok = _tokenizer(cfg.model)
-    examples = make_examples(tok, episodes, labels)
+    examples = make_examples(tok, episodes, labels, budget)
     if not examples:
         seed.fail("no annotation parsed: nothing to fine-tune on (see the labels in " + cache + ")")
+    train, val = split_pairs(examples, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))
     if rank == 0:
         print(f"[sft] {len(episodes)} episodes (success {np.mean([e.won for e in episodes.values()]):.2f}), "
-              f"{sum(v is not None for v in labels.values())} labels parsed, {len(examples)} examples", flush=True)
-    model, tok, log = finetune(cfg, examples, rank, world, device)
+              f"{sum(v is not None for v in labels.values())} labels kept, {len(train)} training and "
+              f"{len(val)} validation pairs", flush=True)
+    model, tok, log, val_log = finetune(cfg, train, val, rank, world, device)
     save(cfg, model, tok, episodes, labels, log, rank, world,
-         {"sec/collect": t_collect, "sec/annotate": t_annotate, "sec/total": time.time() - t0})
+         {"train_pairs": len(train), "val_pairs": len(val), "val_loss": val_log,
+          "sec/collect": t_collect, "sec/annotate": t_annotate, "sec/total": time.time() - t0})
     seed.teardown_dist()
 
 
-def save(cfg, model, tok, episodes, labels, log, rank, world, times):
-    """HF checkpoint + tokenizer + skills.jsonl (the skill library) + sft_log.jsonl + stage1.json."""
+def save_model(model, tok, out, rank):
+    """HF checkpoint (safetensors) + tokenizer in `out`: every rank gathers the full weights, rank 0 writes.
+    -> whether this rank wrote."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     sd = get_model_state_dict(seed.unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
+        return False
+    seed.unwrap(model).save_pretrained(out, state_dict=sd, safe_serialization=True)
+    tok.save_pretrained(out)
+    return True
+
+
+def save(cfg, model, tok, episodes, labels, log, rank, world, extra):
+    """HF checkpoint + tokenizer + skills.jsonl (the skill library) + sft_log.jsonl (one line per step; the
+    last of each epoch has its "val_loss") + stage1.json (counts, "val_loss" per epoch, timings)."""
+    if not save_model(model, tok, cfg.out, rank):
         return
-    seed.unwrap(model).save_pretrained(cfg.out, state_dict=sd, safe_serialization=True)
-    tok.save_pretrained(cfg.out)
     library = analyzer.SkillLibrary()
     for key in sorted(labels):
         if labels[key] and key in episodes:
@@ -276,11 +452,11 @@ def save(cfg, model, tok, episodes, labels, log, rank, world, times):
     summary = {"config": cfg_dict, "world_size": world, "episodes": len(episodes),
                "success": float(np.mean([e.won for e in episodes.values()])),
                "labels": len(labels), "parsed": sum(v is not None for v in labels.values()),
-               "skills": len(library.entries), "final_loss": log[-1]["loss"] if log else None, **times}
+               "skills": len(library.entries), "final_loss": log[-1]["loss"] if log else None, **extra}
     with open(os.path.join(cfg.out, "stage1.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"[sft] saved {cfg.out} ({len(library.entries)} skills; loss {log[0]['loss']:.3f} -> "
-          f"{log[-1]['loss']:.3f}; {times['sec/total']:.0f} s)", flush=True)
+          f"{log[-1]['loss']:.3f}; {extra['sec/total']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""analyzer.py: the analysis prompt and its trimming, parsing of malformed outputs, the retry path of
-`analyze` (a scripted engine double: the real engines are tested in test_rollout.py) and one real run on the
-HF engine, skill insertion into the envs' real prompts, the scripted Stage-1 annotator, the external client
-against a local HTTP server, and the skill library."""
+"""analyzer.py: the analysis prompt and its trimming, the analyzer's own budget (a 30-step episode of the real
+ALFWorld game in ../shared/data read whole, the same prompt in Stage 1 and Stage 2), parsing of malformed
+outputs, the retry path of `analyze` (a scripted engine double: the real engines are tested in
+test_rollout.py) and one real run on the HF engine, skill insertion into the envs' real prompts, the scripted
+Stage-1 annotator, the external client against a local HTTP server, and the skill library."""
 import json
 import os
 import socket
@@ -17,7 +18,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import analyzer  # noqa: E402
 import envs  # noqa: E402
 import rollout  # noqa: E402
+import seed  # noqa: E402
+import sft  # noqa: E402
 from rollout import Episode, Step  # noqa: E402
+
+REAL_GAMES = next((p for p in (os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
+                                            "shared", "data", "alfworld"), "/work/shared/data/alfworld")
+                   if os.path.isdir(p)), None)
 
 GOOD = '{"episode_summary": "The agent found the apple and cooled it.", "episode_skill": "Find the apple, cool it in the fridge, then put it on the table."}'
 
@@ -59,6 +66,7 @@ def test_analysis_prompt_trims_old_observations_first():
              for t in range(20)]
     ep = episode(False, steps)
     full = analyzer.analysis_prompt(ep, max_chars=10**6)[1]["content"]
+    assert analyzer.analysis_prompt(ep)[1]["content"] == full                # no budget: whole
     text = analyzer.analysis_prompt(ep, max_chars=4000)[1]["content"]
     assert len(full) > 6000 and len(text) <= 4000
     assert "observation 0 " not in text and "observation 19 " in text       # oldest go, the last stays
@@ -73,6 +81,88 @@ def test_fit_prompt_respects_a_token_budget(tokenizer):
     msgs = analyzer.fit_prompt(episode(False, steps), tokenizer, 700)
     assert len(rollout.chat_ids(tokenizer, msgs)) <= 700
     assert "observation 29" in msgs[1]["content"]
+    assert analyzer.fit_prompt(episode(False, steps), tokenizer, 10**5) == analyzer.analysis_prompt(episode(False, steps))
+
+
+def thirty_step_episode():
+    """30 steps of the real ALFWorld game (heat some potato ...), wandering (never the goal), each response a
+    short reasoning plus the action, as an instruct model writes them; every 7th response malformed."""
+    from envs.alfworld import AlfWorldEnv
+    env = AlfWorldEnv(data_dir=REAL_GAMES, split="valid_seen", max_steps=30)
+    obs, info = env.reset(seed=0)
+    ep = Episode(task_id=0, group_id=0, env="alfworld", task=env.task, family=env.family, info={})
+    for t in range(30):
+        adm = [a for a in info["admissible"] if not a.startswith(("move", "heat", "put"))]
+        action = adm[(7 * t + 3) % len(adm)]
+        think = (f"<think>Step {t + 1}. My task is to {env.task} I have not found the potato yet. The last "
+                 f"observation said: {obs[:160]} I have not checked every receptacle yet, so I will try "
+                 f"'{action}' next and look for a potato there, then take it to the microwave.</think>")
+        resp = think if t % 7 == 6 else f"{think}<action>{action}</action>"
+        nxt, reward, term, trunc, info = env.step(resp)
+        ep.steps.append(Step(prompt_text="", prompt_ids=[], response_ids=[], response_text=resp, old_logprobs=[],
+                             observation=obs, action=info["action"], valid=info["valid"], reward=reward))
+        ep.won, obs = ep.won or info["won"], nxt
+    ep.reward = 10.0 if ep.won else 0.0
+    return ep
+
+
+class RecordingEngine:
+    """An engine double of a given max_model_len: records each prompt's ids, answers GOOD."""
+
+    def __init__(self, tokenizer, max_model_len):
+        self.tok, self.max_model_len, self.prompts = tokenizer, max_model_len, []
+
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        assert temperature == 0.0 and n == 1
+        self.prompts += [list(p) for p in prompt_ids_list]
+        ids = self.tok(GOOD, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        return [(ids, [0.0] * len(ids)) for _ in prompt_ids_list]
+
+
+def test_thirty_step_alfworld_episode_is_analyzed_whole(tokenizer, model_path, capsys):
+    """At the defaults (one greedy call, 1,024 new tokens, the analyzer's own 16,384-token budget, capped by the
+    embedded model's 8,192-token context), a 30-step episode of the real game reaches the analyzer whole, within
+    the max_model_len seed.py gives the engine, and Stage 1 trains on that very prompt."""
+    if REAL_GAMES is None:
+        pytest.fail("the real ALFWorld game is not in ../shared/data/alfworld nor /work/shared/data/alfworld")
+    ep = thirty_step_episode()
+    assert ep.length == 30 and not ep.won and sum(not s.valid for s in ep.steps) >= 4
+    cfg = seed.parse_config([])
+    assert (cfg.analyzer_max_prompt_tokens, cfg.analyzer_max_tokens, cfg.analyzer_retries) == (16384, 1024, 0)
+    context = seed.engine_context(cfg, model_path)
+    assert context == 8192 and "prompt budget is 7168" in capsys.readouterr().out    # the model's own limit
+    engine = RecordingEngine(tokenizer, context)
+    stats = seed.analyze(engine, tokenizer, [ep], cfg, progress=False)
+    assert stats["parse_failures"] == 0 and ep.skill == json.loads(GOOD)["episode_skill"]
+    assert len(engine.prompts) == 1                                        # one call, no retry
+    ids = engine.prompts[0]
+    text = tokenizer.decode(ids)
+    assert len(ids) + cfg.analyzer_max_tokens <= context
+    for t, s in enumerate(ep.steps):                                       # every step, whole
+        assert f"## Step {t + 1}\nObservation: {s.observation}\nAgent response: {s.response_text}\n" in text
+    assert "trimmed" not in text and "[...]" not in text and "omitted" not in text
+    assert ids == rollout.chat_ids(tokenizer, analyzer.analysis_prompt(ep))
+    print(f"30-step episode: {len(analyzer.analysis_prompt(ep)[1]['content'])} characters, {len(ids)} tokens")
+    label = json.loads(GOOD)                                               # Stage 1: the same prompt
+    (prompt, target), = sft.make_examples(tokenizer, {"0:0": ep}, {"0:0": label}, sft.prompt_budget(sft.SFTConfig()))
+    assert prompt == ids and tokenizer.decode(target).startswith('{"episode_summary"')
+
+
+def test_analysis_budget_is_the_analyzers_own_capped_by_the_model(model_path, tmp_path, capsys):
+    """The engine holds the larger of the actor's turn and the analysis; a model with a long context gets the
+    full 16,384-token budget, the 8,192-token embedded model a capped one (a notice, no crash)."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        conf = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(conf, max_position_embeddings=32768), f)
+    assert seed.analysis_budget(str(tmp_path), 16384, 1024) == (16384, 17408) and not capsys.readouterr().out
+    assert seed.analysis_budget(model_path, 16384, 1024, retries=2) == (8192 - 3 * 1024 - 192, 8192)
+    assert "8192 tokens" in capsys.readouterr().out
+    cfg = seed.parse_config(["--algo", "grpo"])                            # no live analyzer: the actor's turn
+    assert seed.engine_context(cfg, str(tmp_path)) == cfg.max_prompt_tokens + cfg.max_tokens
+    assert seed.engine_context(seed.parse_config([]), str(tmp_path)) == 16384 + 1024
+    with pytest.raises(SystemExit):
+        seed.analysis_budget(model_path, 16384, 4096, retries=1)           # nothing left for the episode
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -109,6 +199,14 @@ def test_parse_analysis_accepts(text):
 ])
 def test_parse_analysis_rejects(text):
     assert analyzer.parse_analysis(text) is None
+
+
+def test_parse_analysis_lenient_keeps_any_non_empty_skill():
+    """Stage 1's label filter (the authors' pipeline): a non-empty skill string is kept, even a trivial one."""
+    assert analyzer.parse_analysis('{"episode_summary": "ok", "episode_skill": "N/A"}', lenient=True) == \
+        {"episode_summary": "ok", "episode_skill": "N/A"}
+    for text in ('{"episode_summary": "ok", "episode_skill": "  "}', '{"episode_skill": 42}', "no JSON", None):
+        assert analyzer.parse_analysis(text, lenient=True) is None
 
 
 def test_parse_analysis_shortens_a_rambling_skill():
@@ -284,22 +382,28 @@ class Server:
 
 
 def test_external_analyzer_errors_then_timeout_then_json(monkeypatch):
+    """Transport retries (5xx, a timeout) are retried; an answer that does not parse is final by default (the
+    authors' Stage 1: one request per episode), and with parse_retries=1 gets one corrective follow-up."""
     monkeypatch.setenv("SEED_TEST_KEY", "sk-secret-123")
     server = Server([("status", 500), ("status", 503), ("sleep", 3.0), ("text", "Sorry, I cannot."),
-                     ("text", "```json\n" + GOOD + "\n```")])
+                     ("text", "Sorry, I cannot."), ("text", "```json\n" + GOOD + "\n```")])
+    prompt = analyzer.analysis_prompt(episode(True, STEPS))
     try:
         client = analyzer.ExternalAnalyzer(server.url, "glm-test", api_key_env="SEED_TEST_KEY", timeout=1.0,
                                            retries=4, backoff=0.01, concurrency=2)
         t0 = time.time()
-        out = client.annotate([episode(True, STEPS)], progress=False)
+        assert client.annotate([prompt], progress=False) == [None] and len(server.requests) == 4
         assert time.time() - t0 < 10
+        client.parse_retries = 1
+        out = client.annotate([prompt], progress=False)
     finally:
         server.close()
     assert out == [json.loads(GOOD)]
-    assert len(server.requests) == 5
+    assert len(server.requests) == 6
     path, headers, body = server.requests[0]
     assert path == "/v1/chat/completions" and headers["Authorization"] == "Bearer sk-secret-123"
-    assert body["model"] == "glm-test" and body["temperature"] == 0
+    assert body["model"] == "glm-test" and body["temperature"] == 0 and body["max_tokens"] == 1024
+    assert body["messages"] == prompt
     last = server.requests[-1][2]["messages"]                              # the corrective follow-up
     assert last[-2] == {"role": "assistant", "content": "Sorry, I cannot."} and "could not be used" in last[-1]["content"]
 
@@ -312,7 +416,7 @@ def test_external_analyzer_unreachable_names_the_url_never_the_key(monkeypatch, 
     client = analyzer.ExternalAnalyzer(f"http://127.0.0.1:{port}/v1", "m", api_key_env="SEED_TEST_KEY",
                                        timeout=0.2, retries=2, backoff=0.01)
     with pytest.raises(RuntimeError) as err:
-        client.annotate([episode(False, STEPS)], progress=False)
+        client.annotate([analyzer.analysis_prompt(episode(False, STEPS))], progress=False)
     msg = str(err.value)
     assert f"http://127.0.0.1:{port}/v1/chat/completions" in msg and "3 attempts" in msg
     assert "sk-secret" not in msg and "sk-secret" not in repr(client.__dict__)
