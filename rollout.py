@@ -151,6 +151,7 @@ def make_engine(kind, model_path, dtype="float32", seed=0, **kw):
     if kind == "vllm":
         return VLLMEngine(model_path, dtype, seed, **kw)
     if kind == "hf":
+        kw.pop("gpu_memory_utilization", None)   # a vLLM setting
         return HFEngine(model_path, dtype, seed, **kw)
     raise ValueError(f"unknown engine kind {kind!r}; use 'vllm' or 'hf'")
 
@@ -166,8 +167,19 @@ def _repack_lm_head(model):
     model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
+def stream_weights(model, dtype):
+    """The trainer's weights as (HF name, tensor in the engine dtype), one tensor at a time: never a
+    second full copy of the model. An FSDP2 parameter (DTensor) is cast on its local shard first, then
+    gathered (`full_tensor`, a collective): every rank must run this generator to the end, and every
+    rank walks the same state_dict order."""
+    for name, t in _unwrap(model).state_dict().items():
+        t = t.detach().to(dtype)                                    # a no-op when the dtypes agree
+        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
 def load_weights_into_vllm(llm, named_tensors, tied):
-    """Copy the trainer's weights (HF names) into a running vLLM engine; the one platform switch."""
+    """Copy the trainer's weights (HF names; a list or a generator, consumed once) into a running vLLM
+    engine; the one platform switch."""
     from vllm.platforms import current_platform
     if current_platform.is_cpu():
         # Plain model.load_weights fails here (the prepared CPU weights lost their weight_loader);
@@ -176,6 +188,7 @@ def load_weights_into_vllm(llm, named_tensors, tied):
         if tied:
             llm.apply_model(_repack_lm_head)
     else:
+        # in process under the external launcher: the generator reaches the model's own loader as is
         llm.apply_model(lambda model: model.load_weights(named_tensors))
     llm.reset_prefix_cache()  # cached prompt blocks hold keys/values computed with the old weights
 
@@ -192,7 +205,8 @@ def shield_llvmlite():
 class VLLMEngine:
     """vLLM colocated with the trainer: one engine per rank, tensor parallel 1, external launcher."""
 
-    def __init__(self, model_path, dtype="float32", seed=0, max_model_len=4096, **llm_kw):
+    def __init__(self, model_path, dtype="float32", seed=0, max_model_len=4096, gpu_memory_utilization=0.3,
+                 **llm_kw):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
         # every in-place reload warns that rotary embeddings have no weights to load; they have none
@@ -208,8 +222,10 @@ class VLLMEngine:
         llm_kw.setdefault("enforce_eager", self.on_cpu)
         llm_kw.setdefault("enable_sleep_mode", not self.on_cpu)
         llm_kw.setdefault("enable_prefix_caching", True)
-        if not self.on_cpu:
-            llm_kw.setdefault("gpu_memory_utilization", 0.3)  # the trainer shares the GPU
+        if not self.on_cpu:   # the trainer shares the GPU: a fixed share, and a start-up profile that fits it
+            llm_kw.update(gpu_memory_utilization=gpu_memory_utilization)
+            llm_kw.setdefault("max_num_seqs", 256)
+            llm_kw.setdefault("max_num_batched_tokens", 8192)
         # the external launcher reads the rank from the environment (torchrun sets it; plain python not)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         added = {k: str(v) for k, v in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world).items()
@@ -248,20 +264,28 @@ class VLLMEngine:
         return result
 
     def push_weights(self, model):
-        """After each optimizer step: the engine's weights become the trainer's (DESIGN section 5)."""
-        named = [(name, t.detach().to(self.dtype)) for name, t in _unwrap(model).state_dict().items()]
-        load_weights_into_vllm(self.llm, named, self.tied)
+        """After each optimizer step: the engine's weights become the trainer's (DESIGN section 5),
+        streamed one tensor at a time. Asleep: wake the weights, push, then wake the KV cache, so the
+        KV cache is not allocated while a pushed tensor is (free the trainer's gradients before)."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        load_weights_into_vllm(self.llm, stream_weights(model, self.dtype), self.tied)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])   # fully awake: vLLM resumes scheduling
+            self.asleep = False
 
     def sleep(self):
-        """Free the engine's GPU memory during the update (level 1: weights to host, KV dropped)."""
+        """Free the engine's GPU memory during the log-prob passes and the update. Level 2 discards the
+        weights and the KV cache, no host copy: every weight is pushed before the next generate (a CPU
+        no-op)."""
         if not self.on_cpu and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.asleep = True
 
-    def wake(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def close(self):
+        """Shut the engine down while the trainer's process group still exists (vLLM's shutdown
+        destroys its own groups, then the default one)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 class HFEngine:
@@ -277,6 +301,7 @@ class HFEngine:
         self.eos_ids = set(self.eos if isinstance(self.eos, list) else [self.eos])
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos_ids)
         self.max_model_len, self.batch_size, self.device = max_model_len, batch_size, torch.device(device)
+        self.dtype = getattr(torch, dtype)
         self.seed, self.calls = seed, 0
 
     @torch.no_grad()
@@ -317,12 +342,14 @@ class HFEngine:
 
     @torch.no_grad()
     def push_weights(self, model):
-        self.model.load_state_dict(_unwrap(model).state_dict())
+        own = self.model.state_dict()
+        for name, t in stream_weights(model, self.dtype):
+            own[name].copy_(t)
 
     def sleep(self):
         pass
 
-    def wake(self):
+    def close(self):
         pass
 
 

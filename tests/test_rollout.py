@@ -210,6 +210,36 @@ def test_two_ranks_sample_different_episodes(tmp_path):
     assert ranks[0]["texts"] != ranks[1]["texts"]
 
 
+def _torchrun(script, out):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = REPO
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           os.path.join(REPO, "tests", script), str(out)]
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_fsdp2_streamed_push_keeps_each_engine_in_sync(tmp_path):
+    """The weight-sync check, FSDP2 variant: 2 gloo ranks, a sharded trainer, one float32 engine per rank.
+    Equal before an update, stale after an optimizer step, equal after seed.push; what the engine got
+    was a stream of full plain tensors in the same order on both ranks, and the gradients were freed."""
+    out = tmp_path / "push.json"
+    proc = _torchrun("push_ranks.py", out)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["sharded"] == r["params"] > 0                        # every parameter was a DTensor shard
+        assert r["before"] <= 1e-4 and r["stale"] > 0.1 and r["after"] <= 1e-4, r
+        assert r["grads_freed"]
+        assert [n for n, _, _ in r["streamed"]] == list(r["full_shapes"])    # every weight, state_dict order
+        assert all(kind == "Tensor" and shape == r["full_shapes"][n] for n, shape, kind in r["streamed"])
+    assert ranks[0]["streamed"] == ranks[1]["streamed"]
+
+
 def test_collect_with_skills_on_a_real_env(vllm_engine, tokenizer):
     """skill_grpo: a task's skill sits in the actor prompt right after the task line (analyzer's
     insert_skill), and prompt_ids are the ids of exactly that text; a None skill leaves it plain."""
