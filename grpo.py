@@ -1,16 +1,17 @@
-"""The RL half of the SEED objective: GRPO with per-step rows (Section 3.4, Eq. 1-4) and the joint loss
-(Eq. 7), as restated in DESIGN section 2.
+"""The RL half of the SEED objective: GRPO with per-step rows and the joint objective (Section 3.3;
+coefficients Appendix B.4), as restated in DESIGN section 2.
 
 Every per-token tensor is RESPONSE-ALIGNED: `[rows, R]`, R = the longest response in the batch, column k of
 row i is response token k of row i, and `mask[i, k] = 1` for k < len(response i). A row is one step of an
 episode (the prompt the actor saw and the response it sampled).
 
-    r_i   = R_episode(i) - penalty * (1 - valid_i)                           (Eq. 1, invalid-action penalty)
-    A_i   = (r_i - mean_G(r)) / (std_G(r) + eps)   over the rows of group G  (Eq. 2; unbiased std; ties -> 0)
+    r_i   = R_episode(i) - penalty * (1 - valid_i)                           (invalid-action penalty)
+    A_i   = (r_i - mean_G(r)) / (std_G(r) + eps)   over the rows of group G  (unbiased std; ties -> 0)
     ratio = exp(clamp(lp - lp_old, -20, 20))
-    pg    = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)),  A < 0: min(pg, -A c)      (Eq. 3, dual clip)
-    kl    = clamp(exp(lp_ref - lp) - (lp_ref - lp) - 1, -10, 10)       (Eq. 4, k3 estimator)
-    L     = <pg> + beta_kl <kl> - c_ent <H> + lambda_opd <opd>         (Eq. 7, <.> = global token mean)
+    pg    = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)),  A < 0: min(pg, -A c)      (dual clip)
+    kl    = clamp(exp(lp_ref - lp) - (lp_ref - lp) - 1, -10, 10)       (k3 estimator)
+    L     = <pg> + beta_kl <kl> - c_ent <H> + lambda_opd <opd>_skill   (<.> = global token mean; <.>_skill =
+                                                                         mean over the tokens of rows with a skill)
 
 `response_logprobs` is the one place a batch's token log-probs are computed (old, reference, skill-context
 and the training forward all go through it).
@@ -99,7 +100,7 @@ def entropy_from_logits(logits):
 # ----------------------------------------------------------------------------- rewards and advantages
 
 def row_rewards(episode_rewards, valid, penalty):
-    """Eq. 1: each step row gets its episode's reward minus `penalty` if its action was invalid.
+    """Row reward: each step row gets its episode's reward minus `penalty` if its action was invalid.
     episode_rewards [rows] (the reward of the row's episode), valid [rows] bool -> [rows] float."""
     r = torch.as_tensor(episode_rewards, dtype=torch.float64)                  # [rows]
     v = torch.as_tensor(valid, dtype=torch.bool)                                # [rows]
@@ -107,7 +108,7 @@ def row_rewards(episode_rewards, valid, penalty):
 
 
 def group_advantages(rewards, group_ids, eps=1e-6, norm="std", episode_ids=None):
-    """Eq. 2: normalize rewards inside each group (same task). -> adv [rows] (float32).
+    """GRPO's group advantage: normalize rewards inside each group (same task). -> adv [rows] (float32).
 
     Step level (default, the official code): every row of the group counts, A = (r - mean) / (std + eps),
     std unbiased. Trajectory level (the paper's formula): pass `episode_ids` [rows]; each episode counts
@@ -143,7 +144,7 @@ def group_advantages(rewards, group_ids, eps=1e-6, norm="std", episode_ids=None)
 # ----------------------------------------------------------------------------- per-token loss terms
 
 def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0):
-    """Eq. 3: clipped surrogate with separate low/high clip and dual clip for A < 0.
+    """GRPO's clipped surrogate with separate low/high clip and dual clip for A < 0.
     logp, old_logp, mask [rows, R]; adv [rows] -> per-token loss [rows, R] (0 on padding)."""
     A = adv[:, None].to(logp.dtype)                                             # [rows, 1]
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))                # [rows, R]
@@ -155,7 +156,7 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, dual_cli
 
 
 def kl_k3(logp, ref_logp):
-    """Eq. 4: k3 estimator of KL(pi || pi_ref) per token, clamped to [-10, 10]. [rows, R] -> [rows, R].
+    """The KL term: k3 estimator of KL(pi || pi_ref) per token, clamped to [-10, 10]. [rows, R] -> [rows, R].
     The log-ratio is clamped to +-20 first so exp() stays finite."""
     d = torch.clamp(ref_logp - logp, -20.0, 20.0)                               # [rows, R]
     return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)                     # [rows, R]

@@ -1,20 +1,23 @@
 """The distillation half of the SEED objective: dual-context re-scoring, the sigmoid gate and the gated
-on-policy distillation loss (Section 3.3, Eq. 5-6), as restated in DESIGN section 2.
+on-policy distillation loss (Section 3.3, the OPD objective), as restated in DESIGN section 2.
 
 For every step of an episode whose analysis produced a skill, the SAME sampled response tokens are scored
 twice by the snapshot pi_old: under the plain context h (the log-probs the trainer already has) and under
 the skill-augmented context h~ = insert_skill(h, skill). No new tokens are sampled.
 
-    delta = sg(lp_skill - lp)                    (Eq. 5)
-    g     = sigmoid(beta * delta),  beta = 5     (Eq. 5, detached)
-    opd   = g * (sg(lp_skill) - lp)              (Eq. 6, per token; d opd / d lp = -g)
+    delta = sg(lp_skill - lp)                    (the skill-induced log-prob gap)
+    g     = sigmoid(beta * delta),  beta = 5     (the gate, detached)
+    opd   = g * (sg(lp_skill) - lp)              (per token; d opd / d lp = -g)
 
-In expectation over a ~ pi the logit of token v moves by pi(v) (g(v) - Z), Z = E_pi[g]: tokens the hindsight
-supports more than average are promoted, the rest suppressed, even when every reward in the group ties.
+In expectation over a ~ pi the logit of token v moves by pi(v) (g(v) - Z), Z = E_pi[g] (the expected logit
+derivative, Appendix A, Eq. 10): tokens the hindsight supports more than average are promoted, the rest
+suppressed, even when every reward in the group ties. The OPD term of the joint loss is the token mean of
+`opd` over the tokens of rows with a skill (grpo.joint_loss).
 
-Baselines: `opsd_loss` (ungated on-policy self-distillation: every token weighted by its own teacher/student
-log-ratio, i.e. the sampled gradient of KL(pi || pi_skill)); static skills only change where the skill
-string comes from (`analyzer.SkillLibrary`), not this file.
+Baselines (Appendix B.2; README says which parts are interpretations): `opsd_loss` (ungated on-policy
+self-distillation: every token weighted by its own teacher/student log-ratio, i.e. the sampled gradient of
+KL(pi || pi_skill); opsd, grpo_opsd, skill_sd) and `rlsd_weights` (RLSD's bounded per-token weight on the
+GRPO loss); static skills only change where the skill string comes from (`analyzer.SkillLibrary`).
 """
 import torch
 
@@ -24,12 +27,12 @@ import rollout
 
 
 def gates(lp_skill, lp, beta=5.0):
-    """Eq. 5: g = sigmoid(beta * (lp_skill - lp)), no gradient.  [rows, R] -> [rows, R]"""
+    """The OPD gate: g = sigmoid(beta * (lp_skill - lp)), no gradient.  [rows, R] -> [rows, R]"""
     return torch.sigmoid(beta * (lp_skill - lp)).detach()
 
 
 def opd_loss(lp, lp_skill, beta=5.0):
-    """Eq. 6: per-token g * (sg(lp_skill) - lp). Its gradient on lp is -g (a gate-weighted NLL of the
+    """The gated OPD loss per token: g * (sg(lp_skill) - lp). Its gradient on lp is -g (a gate-weighted NLL of the
     policy's own sampled tokens); nothing flows into lp_skill or the gate.  [rows, R] -> [rows, R]"""
     g = gates(lp_skill, lp, beta)                                               # [rows, R]
     return g * (lp_skill.detach() - lp)                                         # [rows, R]
@@ -40,7 +43,7 @@ def opsd_loss(lp, lp_skill):
     Per token: value k = sg(lp - lp_skill) (the sampled reverse-KL estimate), gradient on lp = k, so in
     expectation over a ~ pi it is the gradient of KL(pi || pi_skill). exp(lp - sg(lp)) is 1 in value and
     carries d lp.  [rows, R] -> [rows, R]
-    (A literal "g = 1" in Eq. 6 would give gradient -1 on every token: E_pi[-grad log pi] = 0, no teacher
+    (A literal "g = 1" in the OPD loss would give gradient -1 on every token: E_pi[-grad log pi] = 0, no teacher
     signal at all; the test suite checks both facts.)"""
     k = (lp - lp_skill).detach()                                                # [rows, R]
     return k * torch.exp(lp - lp.detach())                                      # [rows, R]
