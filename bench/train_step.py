@@ -1,4 +1,4 @@
-"""Training-step efficiency of Stage 2 (the Eq. 7 update and the no-grad log-prob passes of Algorithm 1).
+"""Training-step efficiency of Stage 2 (the joint-objective update and the no-grad log-prob passes of Algorithm 1).
 
 Measured in one run on this machine:
   * the matmul peak: torch.matmul on large square matrices, float32 and bfloat16, all torch threads;
