@@ -762,7 +762,7 @@ def plot_curves(run_dir, lines):
     ax[0, 2].set(title="invalid-action rate (per step)", xlabel="update", ylim=(-0.05, 1.05))
     ax[0, 2].legend(fontsize=8)
     ax[1, 0].plot(u, col("loss/opd"), "o-")
-    ax[1, 0].set(title="OPD loss (token mean)", xlabel="update")
+    ax[1, 0].set(title="OPD loss (mean over skill tokens)", xlabel="update")
     gm, gs = np.array(col("gate/mean")), np.array(col("gate/std"))
     ax[1, 1].plot(u, gm, "o-", label="mean")
     ax[1, 1].fill_between(u, gm - gs, gm + gs, alpha=0.3, label="+- std")

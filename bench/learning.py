@@ -1,0 +1,296 @@
+"""The CPU testbed (README): does the embedded agent learn, and does SEED beat GRPO and the paper's
+"w/o on-policy skills" ablation (`static_skills`, Section 4.1 / B.2) on the same budget?
+
+    warm start   sft.py --stage warmup           behaviour cloning on the env's solver (built once, cached)
+    Stage 1      sft.py --model <warm start>     hindsight-skill SFT, scripted annotator (built once, cached)
+    Stage 2      seed.py --algo A --seed s --init <Stage 1>   for every algo A and seed s
+
+Every Stage-2 run gets the same flags (learning rate, sizes, updates: no per-algo tuning), the same seed
+hence the same task draws, and the same held-out tasks, evaluated before the first update and every
+--eval_every updates at temperature 0.4 with no skill, and greedily. Each run is an ordinary seed.py run
+folder (.cache/bench/learning/<config>/runs/<algo>-s<seed>): a finished one is skipped, a killed or
+stopped one continues from its last checkpoint (--resume), so the benchmark can be stopped and restarted
+at any time. It ends with bench/learning_results/<config>/curves.png (held-out success vs update: mean
+over seeds with a min-max band per algo; invalid-action rate; episode length) and table.md.
+
+    .venv/bin/python bench/learning.py --env sokoban                  # the default config (hours on 2 cores)
+    .venv/bin/python bench/learning.py --env sokoban --report_only    # table and plot from the runs so far
+Arguments after `--` go to every seed.py run unchanged.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
+
+RESULTS = os.path.join(common.ROOT, "bench", "learning_results")
+EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "sokoban": ("test",), "ezpoints": ("test",)}
+
+
+def parse_args(argv):
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--env", default="sokoban", choices=sorted(EVAL_SPLITS))
+    ap.add_argument("--algos", default="seed,grpo,static_skills", help="comma-separated seed.py --algo values")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. seeds-1 per algo")
+    ap.add_argument("--updates", type=int, default=12, help="Stage-2 updates per run")
+    ap.add_argument("--tasks_per_update", type=int, default=4)
+    ap.add_argument("--group_size", type=int, default=4)
+    ap.add_argument("--max_steps", type=int, default=8)
+    ap.add_argument("--history_length", type=int, default=1)
+    ap.add_argument("--max_tokens", type=int, default=48, help="response tokens per turn")
+    ap.add_argument("--analyzer_max_tokens", type=int, default=256, help="SEED's analysis tokens")
+    ap.add_argument("--lr", type=float, default=2e-5, help="Stage-2 learning rate, every algo")
+    ap.add_argument("--kl_coef", type=float, default=0.0, help="0 skips the reference pass (CPU time)")
+    ap.add_argument("--eval_every", type=int, default=2)
+    ap.add_argument("--eval_tasks", type=int, default=32, help="held-out tasks per split")
+    ap.add_argument("--warmup", default="", help="warm-start checkpoint ('' = build it in the cache)")
+    ap.add_argument("--stage1", default="", help="Stage-1 checkpoint ('' = build it from the warm start)")
+    ap.add_argument("--warmup_tasks", type=int, default=27, help="solver episodes of the warm start (10%% held out)")
+    ap.add_argument("--warmup_lr", type=float, default=2e-4)
+    ap.add_argument("--stage1_tasks", type=int, default=16, help="Stage-1 tasks (M), K0 = --stage1_k0")
+    ap.add_argument("--stage1_k0", type=int, default=2)
+    ap.add_argument("--stage1_lr", type=float, default=2e-4)
+    ap.add_argument("--engine", default="vllm")
+    ap.add_argument("--name", default="", help="config name ('' = from the env and sizes)")
+    ap.add_argument("--report_only", action="store_true", help="only write the table and plot")
+    args = ap.parse_args(argv)
+    args.algos = [a for a in args.algos.split(",") if a]
+    args.name = args.name or (f"{args.env}-B{args.tasks_per_update}xN{args.group_size}-steps{args.max_steps}"
+                              f"-u{args.updates}-lr{args.lr:g}")
+    return args, extra
+
+
+# ----------------------------------------------------------------------------- building and running
+
+def sh(argv, log):
+    """One child process (sft.py or seed.py) from the repository root, its output appended to `log`."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
+    print(f"[learning] {' '.join(argv)}  (log: {log})", flush=True)
+    t = time.time()
+    with open(log, "a") as f:
+        p = subprocess.run([common.PY, *argv], cwd=common.ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if p.returncode != 0:
+        sys.exit(f"{argv[0]} failed (exit {p.returncode}); last output:\n{open(log).read()[-3000:]}")
+    return time.time() - t
+
+
+def checkpoints(args, cache):
+    """The warm start and the Stage-1 checkpoint every run starts from (built once into the cache)."""
+    common_env = ["--env", args.env, "--max_steps", str(args.max_steps), "--history_length", str(args.history_length),
+                  "--max_tokens", str(args.max_tokens), "--engine", args.engine]
+    if args.env == "alfworld":
+        common_env += ["--data_dir", common.games_dir()]
+    warm = args.warmup or os.path.join(cache, "warmup")
+    if not os.path.isfile(os.path.join(warm, "warmup.json")) and not args.warmup:
+        sh(["sft.py", "--stage", "warmup", *common_env, "--out", warm, "--tasks", str(args.warmup_tasks),
+            "--val_fraction", "0.1", "--epochs", "1", "--lr", str(args.warmup_lr), "--batch_size", "8",
+            "--micro_batch_size", "4"], os.path.join(cache, "warmup.log"))
+    stage1 = args.stage1 or os.path.join(cache, "stage1")
+    if not os.path.isfile(os.path.join(stage1, "stage1.json")) and not args.stage1:
+        sh(["sft.py", *common_env, "--model", warm, "--out", stage1, "--tasks", str(args.stage1_tasks),
+            "--k0", str(args.stage1_k0), "--epochs", "2", "--lr", str(args.stage1_lr), "--batch_size", "8",
+            "--micro_batch_size", "2"], os.path.join(cache, "stage1.log"))
+    for path in (warm, stage1):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            sys.exit(f"{path} is not a checkpoint folder (no config.json)")
+    return warm, stage1
+
+
+def seed_argv(args, stage1, extra):
+    """The seed.py flags every run shares (everything but --algo, --seed and --out)."""
+    argv = ["--env", args.env, "--init", stage1, "--updates", str(args.updates),
+            "--tasks_per_update", str(args.tasks_per_update), "--group_size", str(args.group_size),
+            "--max_steps", str(args.max_steps), "--history_length", str(args.history_length),
+            "--max_tokens", str(args.max_tokens), "--analyzer_max_tokens", str(args.analyzer_max_tokens),
+            "--lr", str(args.lr), "--kl_coef", str(args.kl_coef), "--eval_every", str(args.eval_every),
+            "--eval_tasks", str(args.eval_tasks), "--eval_greedy", "--eval_first", "--save_every", "1",
+            "--engine", args.engine]
+    if args.env == "alfworld":
+        argv += ["--data_dir", common.games_dir()]
+    return argv + extra
+
+
+def finished(run_dir, updates):
+    return any(m["update"] == updates - 1 for m in read(run_dir))
+
+
+def read(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
+
+
+def run_all(args, cache, shared):
+    for s in range(args.seeds):          # seed-major: every algo has the same number of seeds done so far
+        for algo in args.algos:
+            run_dir = os.path.join(cache, "runs", f"{algo}-s{s}")
+            if finished(run_dir, args.updates):
+                print(f"[learning] {algo} seed {s}: done, skipped", flush=True)
+                continue
+            os.makedirs(run_dir, exist_ok=True)
+            wall = sh(["seed.py", *shared, "--algo", algo, "--seed", str(s), "--out", run_dir, "--resume"],
+                      os.path.join(run_dir, "bench_stdout.log"))
+            print(f"[learning] {algo} seed {s}: {wall:.0f} s", flush=True)
+
+
+# ----------------------------------------------------------------------------- results
+
+def curves(lines, splits, prefix="eval", what="success"):
+    """-> {updates done: held-out `what` (mean over the splits)}; the line of update u is after u + 1
+    updates, the --eval_first line (update -1) is at 0."""
+    keys = [f"{prefix}/{s}/{what}" for s in splits]
+    return {m["update"] + 1: float(np.mean([m[k] for k in keys])) for m in lines
+            if all(m.get(k) is not None for k in keys)}
+
+
+def auc(curve):
+    """Area under the held-out success curve over the updates, divided by their span (a mean success)."""
+    x = sorted(curve)
+    if len(x) < 2:
+        return float("nan")
+    y = [curve[k] for k in x]
+    return float(np.sum(np.diff(x) * (np.array(y[1:]) + np.array(y[:-1])) / 2) / (x[-1] - x[0]))
+
+
+def collect(args, cache):
+    """-> {algo: [per seed: dict(lines, eval, greedy)]} for the runs with any metrics."""
+    splits = EVAL_SPLITS[args.env]
+    out = {}
+    for algo in args.algos:
+        for s in range(args.seeds):
+            lines = read(os.path.join(cache, "runs", f"{algo}-s{s}"))
+            if lines:
+                train = [m for m in lines if m["update"] >= 0]
+                out.setdefault(algo, []).append(dict(seed=s, lines=train, eval=curves(lines, splits),
+                                                     greedy=curves(lines, splits, "eval_greedy"),
+                                                     invalid=curves(lines, splits, what="invalid_rate")))
+    return out
+
+
+def pm(xs):
+    xs = [x for x in xs if x is not None and not np.isnan(x)]
+    if not xs:
+        return "-"
+    return f"{np.mean(xs):.3f} ± {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def table(args, res, cmd):
+    """table.md: per algo, held-out success at the start and the end (mean ± std over seeds), area under the
+    curve, train episode length and invalid rate, seconds per update; then SEED - other at matched updates."""
+    first = lambda c: c[min(c)] if c else None
+    last = lambda c: c[max(c)] if c else None
+    out = [f"# Learning on the CPU testbed: {args.name}", "",
+           f"Command: `{cmd}`", "",
+           f"{args.env}; B={args.tasks_per_update} tasks x N={args.group_size} episodes per update, max "
+           f"{args.max_steps} steps, history {args.history_length}, {args.max_tokens} response tokens, lr {args.lr:g}, "
+           f"KL {args.kl_coef:g}; held-out: {args.eval_tasks} tasks per split of {', '.join(EVAL_SPLITS[args.env])}, "
+           f"every {args.eval_every} updates; mean ± std over seeds (population std).", "",
+           "| algo | seeds | updates done | held-out success at 0 (T=0.4) | at the end (T=0.4) | greedy at 0 | "
+           "greedy at the end | AUC (T=0.4) | train success | train episode length | train invalid rate | "
+           "s / update |", "|" + "---|" * 12]
+    for algo, runs in res.items():
+        done = [len(r["lines"]) for r in runs]
+        sec = [np.mean([m["sec/total"] - m.get("sec/eval", 0.0) for m in r["lines"]]) for r in runs]
+        per = lambda key: [np.mean([m[key] for m in r["lines"]]) for r in runs]
+        out.append(f"| {algo} | {len(runs)} | {min(done)}-{max(done)} | {pm([first(r['eval']) for r in runs])} | "
+                   f"{pm([last(r['eval']) for r in runs])} | {pm([first(r['greedy']) for r in runs])} | "
+                   f"{pm([last(r['greedy']) for r in runs])} | {pm([auc(r['eval']) for r in runs])} | "
+                   f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | {pm(sec)} |")
+    if "seed" in res:
+        out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws), "
+                "at matched updates; mean ± std over the seeds both have:", ""]
+        others = [a for a in res if a != "seed"]
+        xs = sorted(set().union(*[r["eval"] for r in res["seed"]]))
+        out += ["| updates done | " + " | ".join(f"SEED - {a}" for a in others) + " |",
+                "|---|" + "---|" * len(others)]
+        for x in xs + ["AUC"]:
+            cells = []
+            for a in others:
+                pairs = [(r, o) for r in res["seed"] for o in res[a] if r["seed"] == o["seed"]]
+                if x == "AUC":
+                    d = [auc(r["eval"]) - auc(o["eval"]) for r, o in pairs]
+                else:
+                    d = [r["eval"][x] - o["eval"][x] for r, o in pairs if x in r["eval"] and x in o["eval"]]
+                cells.append(pm(d))
+            out.append(f"| {x} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def band(ax, runs, key_fn, color, label, style="-", fill=True):
+    """Mean over seeds with a min-max band, at the x values every run has."""
+    curves_ = [key_fn(r) for r in runs]
+    xs = sorted(set.intersection(*[set(c) for c in curves_])) if curves_ else []
+    if not xs:
+        return
+    ys = np.array([[c[x] for x in xs] for c in curves_])                       # [seeds, points]
+    ax.plot(xs, ys.mean(0), style, color=color, label=label, marker="o", ms=3)
+    if fill and len(curves_) > 1:
+        ax.fill_between(xs, ys.min(0), ys.max(0), color=color, alpha=0.2)
+
+
+def plot(args, res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
+    per_update = lambda key: (lambda r: {m["update"] + 1: m[key] for m in r["lines"] if m.get(key) is not None})
+    for i, (algo, runs) in enumerate(res.items()):
+        c = f"C{i}"
+        band(ax[0], runs, lambda r: r["eval"], c, f"{algo} (T=0.4, {len(runs)} seeds)")
+        band(ax[0], runs, lambda r: r["greedy"], c, f"{algo} (greedy)", style="--", fill=False)
+        band(ax[1], runs, per_update("invalid_rate"), c, f"{algo} (train rollouts)")
+        band(ax[1], runs, lambda r: r["invalid"], c, f"{algo} (held-out, T=0.4)", style=":", fill=False)
+        band(ax[2], runs, per_update("length"), c, f"{algo} (train rollouts)")
+    ax[0].set(title="held-out success (mean, min-max over seeds)", xlabel="updates done", ylim=(-0.02, 1.02))
+    ax[1].set(title="invalid-action rate (per step)", xlabel="updates done", ylim=(-0.02, 1.02))
+    ax[2].set(title="episode length (steps)", xlabel="updates done")
+    for a in ax:
+        a.legend(fontsize=7)
+    fig.suptitle(f"CPU testbed: {args.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def report(args, cache, cmd):
+    res = collect(args, cache)
+    out = os.path.join(RESULTS, args.name)
+    os.makedirs(out, exist_ok=True)
+    if not res:
+        print(f"[learning] no runs with metrics under {cache} yet", flush=True)
+        return None
+    md = table(args, res, cmd)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(md)
+    plot(args, res, os.path.join(out, "curves.png"))
+    print(md + f"\n[learning] wrote {out}/table.md and curves.png", flush=True)
+    return res
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = parse_args(argv)
+    cache = os.path.join(common.BENCH_CACHE, "learning", args.name)
+    os.makedirs(cache, exist_ok=True)
+    cmd = "bench/learning.py " + " ".join(argv)
+    if not args.report_only:
+        warm, stage1 = checkpoints(args, cache)
+        shared = seed_argv(args, stage1, extra)
+        saved = os.path.join(cache, "bench_config.json")
+        if os.path.exists(saved) and json.load(open(saved))["seed_argv"] != shared:
+            sys.exit(f"{cache} holds runs made with other seed.py flags ({saved}); pass another --name")
+        with open(saved, "w") as f:
+            json.dump({"seed_argv": shared, "warmup": warm, "stage1": stage1, "machine": common.machine()}, f, indent=2)
+        run_all(args, cache, shared)
+    return report(args, cache, cmd)
+
+
+if __name__ == "__main__":
+    main()
