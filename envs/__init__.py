@@ -10,13 +10,18 @@ Every env follows one small contract, which `rollout.py` and `analyzer.py` rely 
 Attributes: `name`, `task` (the task text), `family` (task family, e.g. "heat" for ALFWorld),
 `max_steps`, `reward_scale` (episode reward of a win), `invalid_penalty`, `num_tasks` (how many
 distinct task ids the split holds). The prompt contains one line starting with `task_line(name)`
-(below), after which a skill is inserted. `info` holds `won`, `valid`, `action` (the parsed action, "" when
-invalid), `admissible` (list of actions, when the env has such a list) and, from `reset`,
+(below), after which `insert_skill` puts a skill block. `info` holds `won`, `valid` (the env's
+projection accepted the response), `action` (what the env executed: the projection's output, also for
+an invalid response where the authors' projection still passes something on; "" when nothing was
+executed), `admissible` (list of actions, when the env has such a list) and, from `reset`,
 `expert_plan` where the env can compute one (used by the scripted analyzer of Stage 1).
-`step` never raises on bad text: the response is then an invalid action with an explanatory
-observation. Rewards: `reward_scale * won` on the step that ends the episode with a win (search QA:
-exact match), 0 otherwise; the invalid-action penalty is applied by the trainer (grpo.py).
+Validity and what is executed follow each env's projection in the authors' code
+(agent_system/environments/env_package/*/projection.py at 2cf2fad): a format rule, not admissibility
+(ALFWorld sends an inadmissible command to the game, which answers "Nothing happens."). `step` never
+raises on bad text. Rewards: `reward_scale * won` on the step that ends the episode with a win (search
+QA: exact match), 0 otherwise; the invalid-action penalty is applied by the trainer (grpo.row_rewards).
 """
+import re
 
 NAMES = ("alfworld", "sokoban", "ezpoints", "search", "webshop")
 
@@ -42,28 +47,73 @@ def make(name, **kwargs):
 
 
 def task_line(name):
-    """The prompt-line prefix after which `analyzer.insert_skill` puts the skill block."""
+    """The prompt-line prefix after which `insert_skill` puts the skill block."""
     return {"alfworld": "Your task is to:", "sokoban": "Your task is to:", "ezpoints": "Your task is to:",
             "search": "Your question:", "webshop": "Your task is to:"}[name]
 
 
-def history_lines(history, steps, history_length, header=None, obs_sep=" "):
-    """The actor prompt's memory block: the last `history_length` (observation, action) pairs of
-    `history`, numbered by step, after a header line; [] when there is nothing to show."""
+SKILL_HEADER = "## Skill from past episodes"
+SKILL_USE = "Use this skill when you choose your action in this episode:"
+TURN_LINE = "Now it's your turn"     # opens the turn instruction of every actor prompt
+
+
+def insert_skill(prompt_text, skill, env_name):
+    """Put the skill block (a header line, a line telling the agent to use it, then the skill, which may
+    span lines; as the authors' seed/prompting.py) right after the env's task line; when that line is
+    absent, right before the turn instruction ("Now it's your turn ..."); failing both, at the top.
+    An empty or None skill returns the prompt unchanged."""
+    if not skill or not skill.strip():
+        return prompt_text
+    block = [SKILL_HEADER, SKILL_USE] + [ln.strip() for ln in skill.strip().splitlines() if ln.strip()]
+    lines = prompt_text.split("\n")
+    prefix = task_line(env_name)
+    at = next((i + 1 for i, ln in enumerate(lines) if ln.lstrip().startswith(prefix)), None)
+    if at is None:
+        at = next((i + 1 for i, ln in enumerate(lines) if prefix in ln), None)
+    if at is None:
+        at = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith(TURN_LINE)), 0)
+    return "\n".join(lines[:at] + block + lines[at:])
+
+
+def history_lines(history, steps, history_length, line="[Observation {k}] {obs}\n[Action {k}] {act}"):
+    """The actor prompt's memory block (the authors' memory.fetch): how many steps were taken, then the
+    last `history_length` (observation, action) pairs of `history`, each as `line` with its step number
+    `k`; [] when there is nothing to show (the first-step form of every prompt)."""
     recent = history[-history_length:] if history_length > 0 else []
     if not recent:
         return []
-    header = header or f"Your last {len(recent)} observation(s) and action(s):"
     first = steps - len(recent) + 1
-    return [f"Prior to this step you have taken {steps} step(s). {header}"] + [
-        f"[Observation {first + k}]{obs_sep}{obs}\n[Action {first + k}] {act}" for k, (obs, act) in enumerate(recent)]
+    return [f"Prior to this step you have taken {steps} step(s). Your last {len(recent)} step(s):"] + [
+        line.format(k=first + k, obs=obs, act=act) for k, (obs, act) in enumerate(recent)]
 
 
-def action_text(text):
-    """The stripped text inside exactly one <action>...</action>, or None when the tag is missing,
-    repeated, unclosed or holds non-ASCII text. Never raises: any model output is fine input."""
-    if not isinstance(text, str) or text.count("<action>") != 1 or text.count("</action>") != 1:
+# ----------------------------------------------------------------------------- the authors' projections
+# alfworld, sokoban and webshop projection.py share these checks (search and EZPoints have their own).
+
+CJK = re.compile(r"[\u4e00-\u9fff]")   # the authors' test: CJK unified ideographs anywhere in the response
+
+
+def as_text(response):
+    """Any model output as a string: non-text input reads as "" (an invalid response, never an error)."""
+    return response if isinstance(response, str) else ""
+
+
+def action_text(response):
+    """The projection's extraction: the text between the first "<action>" and the first "</action>" of
+    the lower-cased response, stripped; None when either tag is missing. As in the authors' code (`find`
+    of each tag), an end tag that comes before the start tag gives "", and nothing else is checked here."""
+    low = as_text(response).lower()
+    start, end = low.find("<action>"), low.find("</action>")
+    if start == -1 or end == -1:
         return None
-    start, end = text.index("<action>") + len("<action>"), text.index("</action>")
-    action = text[start:end].strip() if end >= start else ""
-    return action if action and action.isascii() else None
+    return low[start + len("<action>"):end].strip()
+
+
+def has_think(response):
+    """The projection's think check (on the raw text, case as written): "<think>" and "</think>" present."""
+    text = as_text(response)
+    return "<think>" in text and "</think>" in text
+
+
+def has_cjk(response):
+    return bool(CJK.search(as_text(response)))

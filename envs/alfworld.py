@@ -13,11 +13,15 @@ with `game.tw-pddl` and `traj_data.json`: the ones `alfworld-download` fetches, 
 of its sorted game list; the family comes from the task folder name (pick, look, clean, heat, cool,
 pick2), and success per family plus their macro average are the paper's ALFWorld metrics.
 
-The agent answers `<think>...</think><action>...</action>`; exactly one action block, whose text must
-be one of the admissible commands (compared after collapsing whitespace and lower-casing) and ASCII
-(a response with CJK text is invalid, as in verl-agent; the think block is asked for, not enforced).
-Anything else is an invalid step: the game does not move, the observation says what was wrong. A win gives `reward_scale` and ends the
-episode; `max_steps` steps truncate it.
+The agent answers `<think>...</think><action>...</action>`. Validity is the authors' ALFWorld projection
+(agent_system/environments/env_package/alfworld/projection.py at 2cf2fad), a format rule: the response
+holds an `<action>` and an `</action>` tag, a `<think>` and a `</think>` tag, and no CJK ideograph.
+Admissibility is not checked: the lower-cased text inside the action tags goes to the game as it is, and
+the game answers an inadmissible command with "Nothing happens.". A response without the action tags is
+invalid and, as theirs, its last 30 lower-cased characters are still sent (almost always "Nothing
+happens."). The history keeps what was sent. The trainer subtracts the invalid-action penalty for an
+invalid step (grpo.row_rewards). A win gives `reward_scale` and ends the episode; `max_steps` steps
+truncate it.
 """
 import contextlib
 import copy
@@ -49,8 +53,6 @@ HOW_TO_GET_GAMES = (
     "generate games offline with\n"
     "    python -m envs.alfworld_gen --out data/alfworld --train 60 --valid_seen 12 --valid_unseen 12 --seed 0\n"
     "or download the official ones with `alfworld-download` (then point ALFWORLD_DATA or --data_dir at them)")
-CJK = re.compile(r"[\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uff00-\uffef]")
-ACTION_TAG = re.compile(r"<action>(.*?)</action>", re.S | re.I)
 
 
 # ----------------------------------------------------------------------------- game files
@@ -220,7 +222,7 @@ def engine_reset(engine, path):
 
 
 def engine_step(engine, command, step):
-    """Apply one admissible command. The expert runs after the game moved; when it gives up
+    """Apply one command (the game answers an inadmissible one with "Nothing happens."). The expert runs after the game moved; when it gives up
     (its own exceptions) the game state stands and the expert is reported as unavailable."""
     with _expert_rng(step):
         try:
@@ -261,28 +263,14 @@ def expert_plan_of(path):
 
 # ----------------------------------------------------------------------------- response parsing
 
-def parse_action(response, admissible):
-    """Raw model response -> (admissible command, "") or ("", why it is invalid). Never raises."""
-    if not isinstance(response, str):
-        return "", "the response is not text"
-    opened, blocks = len(re.findall(r"<action>", response, re.I)), ACTION_TAG.findall(response)
-    if opened == 0:
-        return "", "no <action>...</action> block"
-    if opened > 1 or len(blocks) > 1:
-        return "", f"{opened} <action> tags; give exactly one action"
-    if not blocks:
-        return "", "the <action> tag is never closed"
-    text = blocks[0]
-    if CJK.search(response):
-        return "", "the response contains CJK characters"
-    if not text.isascii() or any(c not in string.printable for c in text):
-        return "", "the action contains non-ASCII or control characters"
-    wanted = " ".join(text.split()).lower()
-    for command in admissible:
-        if " ".join(command.split()).lower() == wanted:
-            return command, ""
-    shown = wanted if len(wanted) <= 80 else wanted[:77] + "..."
-    return "", f'"{shown}" is not one of the admissible actions'
+def parse_action(response):
+    """Raw model response -> (the command sent to the game, valid), as the authors' projection: the text
+    inside the action tags (valid when a think block is there too and no CJK text), else the last 30
+    lower-cased characters of the response (invalid). Never raises."""
+    action = envs.action_text(response)
+    if action is None:
+        return envs.as_text(response).lower()[-30:], False
+    return action, envs.has_think(response) and not envs.has_cjk(response)
 
 
 # ----------------------------------------------------------------------------- the environment
@@ -330,22 +318,18 @@ class AlfWorldEnv(gym.Env):
             raise RuntimeError("call reset() before step()")
         if self.done:
             return self.obs, 0.0, self.won, not self.won, self._info(valid=False, action="")
-        command, why = parse_action(action, self.admissible)
-        self.history.append((self.obs, command or "(invalid)"))
+        command, valid = parse_action(action)
+        self.history.append((self.obs, command))
         self.steps += 1
-        if command:
-            self._state, ok = engine_step(self._engine, command, self.steps)
-            self._expert_ok = self._expert_ok and ok
-            self.obs = self._state["feedback"]
-            self.won = bool(self._state["won"])
-        else:
-            self.obs = (f"Invalid action: {why}. Nothing happened. Answer with <think>...</think> and then "
-                        "exactly one admissible action inside <action></action>.")
+        self._state, ok = engine_step(self._engine, command, self.steps)
+        self._expert_ok = self._expert_ok and ok
+        self.obs = self._state["feedback"]
+        self.won = bool(self._state["won"])
         terminated = self.won
         truncated = not terminated and self.steps >= self.max_steps
         self.done = terminated or truncated
         reward = self.reward_scale if self.won else 0.0
-        return self.obs, reward, terminated, truncated, self._info(valid=bool(command), action=command)
+        return self.obs, reward, terminated, truncated, self._info(valid=valid, action=command)
 
     def close(self):
         """Drop the engine. (Its copy of the planner library stays loaded until the process ends:
@@ -366,25 +350,34 @@ class AlfWorldEnv(gym.Env):
         return proposal[0] if proposal and proposal[0] in self.admissible else None
 
     def prompt(self):
-        """The actor's user message: task, recent history, current observation, admissible actions."""
-        lines = ["You are a household robot acting in a text-based simulation of a home (ALFWorld).",
-                 f"{envs.task_line(self.name)} {self.task}"]
-        recent = self.history[-self.history_length:] if self.history_length > 0 else []
-        if recent:
-            first = len(self.history) - len(recent) + 1
-            lines.append(f"You have taken {len(self.history)} step(s) so far. The most recent ones:")
-            for k, (obs, act) in enumerate(recent, start=first):
-                lines += [f"Step {k} observation: {_without_task(obs)}", f"Step {k} action: {act}"]
-        lines.append(f"Current observation (step {len(self.history) + 1}): {_without_task(self.obs)}")
+        """The actor's user message, in the structure of the authors' ALFWorld templates: at the first step
+        the observation (which states the task on its own line) and the admissible actions; later the task,
+        the steps taken and the last `history_length` observation/action pairs, the current step and
+        observation, the admissible actions; always closed by the turn instruction with the format rules."""
+        lines = ["You are an expert agent acting in ALFWorld, a text-based simulation of a household."]
+        if self.steps == 0:
+            lines.append(f"Current observation: {_first_observation(self.obs)}")
+        else:
+            lines.append(f"{envs.task_line(self.name)} {self.task}")
+            lines += envs.history_lines([(_without_task(o), a) for o, a in self.history], self.steps,
+                                        self.history_length)
+            lines.append(f"You are now at step {self.steps + 1}. Current observation: {_without_task(self.obs)}")
         lines.append("Admissible actions: " + ", ".join(f'"{a}"' for a in self.admissible))
-        lines.append("First reason about the situation and what to do next inside <think> </think>. Then give "
-                     "exactly one admissible action, copied exactly from the list, inside <action> </action>.")
+        lines.append("Now it's your turn to act. First reason step by step about the situation inside "
+                     "<think> </think>. Then choose one admissible action for this step and write it "
+                     "inside <action> </action>.")
         return "\n".join(lines)
 
     def _info(self, valid, action, **extra):
         return {"task": self.task, "family": self.family, "task_id": self.task_id, "game": self.game,
                 "admissible": self.admissible, "won": self.won, "valid": valid, "action": action,
                 "steps": self.steps, **extra}
+
+
+def _first_observation(obs):
+    """The game's first text without its banner, blank lines squeezed: the task sentence keeps its own line."""
+    obs = obs.replace("-= Welcome to TextWorld, ALFRED! =-", "")
+    return "\n".join(" ".join(ln.split()) for ln in obs.splitlines() if ln.strip())
 
 
 def _without_task(obs):

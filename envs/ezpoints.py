@@ -6,6 +6,14 @@ K count as 10 (as in gym_cards). `=` ends the episode and the formula is evaluat
 recursive-descent parser below over exact fractions (never Python's `eval`). Only card pairs that
 admit a solution are dealt: the task list is every ordered pair of the 52 cards whose values an
 exhaustive search can combine into 12 (e.g. 4 and 8 by +, 3 and 4 by *). Reward 10 on a correct `=`.
+
+The response format, validity and what is executed follow the authors' gym_cards projection
+(env_package/gym_cards/projection.py at 2cf2fad) and their EZPoints prompt: the agent answers a JSON object
+{"thoughts": ..., "action": ...}; the lower-cased text from `"action":` on (the last character when the key
+is missing) must contain exactly one of the tokens 1-10, +, * and = ("10" is read before "1"). An invalid
+response executes nothing: the formula stays as it is, the step counts. A valid token that cannot be used
+(a number that is not an unused card value) also leaves the formula unchanged, as their env does.
+The operators are + and * as theirs (with two cards 12 is never a difference or a quotient).
 """
 import itertools
 from fractions import Fraction
@@ -16,7 +24,8 @@ import numpy as np
 import envs
 
 TARGET = 12
-OPERATORS = ["+", "-", "*", "/"]
+OPERATORS = ["+", "*"]                 # the authors' EZPoints actions (with the numbers and "=")
+TOKENS = [str(v) for v in range(1, 11)] + OPERATORS + ["="]   # what the projection recognizes
 SUITS = ["hearts", "spades", "diamonds", "clubs"]
 RANKS = ["A", "2", "3", "4", "5", "6", "7", "8", "9", "10", "J", "Q", "K"]
 RANK_VALUE = {r: min(i + 1, 10) for i, r in enumerate(RANKS)}
@@ -103,11 +112,15 @@ TASKS = all_tasks()
 
 # ----------------------------------------------------------------------------- parsing
 
-def parse_action(text, admissible):
-    """The text inside exactly one <action>...</action>; None when missing, repeated, non-ASCII or
-    not admissible."""
-    action = envs.action_text(text)
-    return action if action in admissible else None
+def parse_action(text):
+    """Raw response -> the token (valid) or None (invalid), as the authors' gym_projection for EZPoints:
+    from `"action":` on (else the last character), exactly one distinct token of TOKENS must occur."""
+    rest = envs.as_text(text).lower()
+    rest = rest[rest.find('"action":'):]
+    found = {"10"} if "10" in rest else set()
+    rest = rest.replace("10", "")
+    found |= {tok for tok in TOKENS if tok in rest}
+    return found.pop() if len(found) == 1 else None
 
 
 # ----------------------------------------------------------------------------- env
@@ -122,7 +135,8 @@ class EZPointsEnv(gym.Env):
     """Build an expression equal to 12 from two cards, one token per step (module docstring).
     `split` is accepted for the common interface: the pool of dealable pairs is small (gym_cards
     draws train and eval hands from one distribution), so every split deals from all of it, each
-    in its own fixed shuffled order."""
+    in its own fixed shuffled order. `history_length` too: the prompt shows no history, as the
+    authors' (their GymCardEnvironmentManager keeps none)."""
 
     name = "ezpoints"
     reward_scale = 10.0
@@ -147,7 +161,7 @@ class EZPointsEnv(gym.Env):
         self.values = [RANK_VALUE[r] for r, _ in self.cards]
         self.task = (f"write a formula that equals {TARGET} using the values of the cards "
                      f"{card_name(self.cards[0])} and {card_name(self.cards[1])}, each exactly once.")
-        self.formula, self.steps, self.history, self.done = [], 0, [], False
+        self.formula, self.steps, self.done = [], 0, False
         self.obs = self._observation()
         plan = solutions(self.values)[0] + ["="]
         info = dict(task=self.task, family=self.family, admissible=self.admissible(),
@@ -168,19 +182,16 @@ class EZPointsEnv(gym.Env):
         if self.done:
             info = dict(won=False, valid=False, action="", admissible=[])
             return "The episode is over; call reset().", 0.0, True, False, info
-        action = parse_action(text, self.admissible())
+        action = parse_action(text)
         won = terminated = False
-        if action is None:
-            obs = (f"Invalid action. Reply with one of {', '.join(self.admissible())} inside "
-                   f"<action></action>.\n" + self._observation())
-        elif action == "=":
+        if action == "=":
             terminated = True
             won, verdict = self._check()
             obs = f"Formula: {' '.join(self.formula)} = . {verdict}"
         else:
-            self.formula.append(action)
+            if action in self.admissible():
+                self.formula.append(action)
             obs = self._observation()
-        self.history.append((self.obs, action if action is not None else "(invalid)"))
         self.steps += 1
         truncated = not terminated and self.steps >= self.max_steps
         self.done, self.obs = terminated or truncated, obs
@@ -216,16 +227,19 @@ class EZPointsEnv(gym.Env):
         return None
 
     def prompt(self):
-        lines = [
-            "You are an expert card-game player. Cards J, Q and K count as 10, A as 1.",
+        """The authors' EZPoints template structure (one form at every step, no history: the formula is the
+        state): the goal and the allowed tokens, the card and formula rules, the reward, the current
+        formula, the turn instruction and the JSON answer format. The card values, which their agent reads
+        from an image, are given in the task line."""
+        return "\n".join([
+            f"You are an expert card-game player building a formula that equals {TARGET}.",
             f"{envs.task_line(self.name)} {self.task}",
-            f"Rules: you add one token per step: a card value, an operator ({' '.join(OPERATORS)}), "
-            f"or '=' to finish; '=' evaluates the formula with the usual precedence. You have at most "
-            f"{self.max_steps} steps.",
-        ]
-        lines += envs.history_lines(self.history, self.steps, self.history_length)
-        lines.append(f"You are now at step {self.steps + 1}. Current observation: {self.obs}")
-        lines.append(f"Your admissible actions are: {', '.join(self.admissible())}.")
-        lines.append("First think step by step inside <think> </think>, then give exactly one "
-                     "token inside <action> </action>, for example <action>+</action>.")
-        return "\n".join(lines)
+            "Card rules: number cards count their face value, J, Q and K count 10, A counts 1; use only "
+            "these two values, each exactly once.",
+            f"Formula rules: each step appends one token to the end of the formula: a card value, '+' or "
+            f"'*', or '=', which evaluates the formula and ends the game. Reward {self.reward_scale:g} if it "
+            f"equals {TARGET}, else 0.",
+            f"Current observation: {self.obs}",
+            "Now it's your turn to append the next token. Answer with one JSON object: "
+            '{"thoughts": "<your step-by-step reasoning>", "action": "<the next token>"}',
+        ])

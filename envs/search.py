@@ -4,8 +4,13 @@ Each turn the model either searches, `<search> query </search>`, and the env ans
 documents of the retriever as `<information>Doc 1(Title: ...) ...</information>`, or answers,
 `<answer> ... </answer>`, which ends the episode with reward = exact match (0/1) of the normalized
 answer against any gold answer (normalization as in Search-R1/SQuAD: lowercase, drop punctuation and
-the articles a/an/the, squeeze spaces). A turn with no such block, or with more than one, is an
-invalid action (penalty 0.01 in the trainer). At most `max_steps` (4) turns.
+the articles a/an/the, squeeze spaces). At most `max_steps` (4) turns.
+Validity and what is executed follow the authors' search projection (env_package/search/projection.py at
+2cf2fad): the response is cut after its first `</search>` (else its first `</answer>`); its first search
+block, else its first answer block, is the action. The turn is invalid (penalty 0.01 in the trainer) when
+there is no block, or the response holds both a `<search>` and an `<answer>` tag, or one of them twice;
+the block found is still executed then. A turn without a block executes nothing and returns no
+information. The history keeps each action with the information it brought back.
 
 The retriever is any server speaking `POST /retrieve {"query", "topk", "return_scores"}` ->
 `{"result": [[{"document": {"contents"}, "score"}]]}` (Search-R1's own server, or `envs.retriever`).
@@ -29,9 +34,8 @@ import gymnasium as gym
 import envs
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "search_qa")
-TAG = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-TAG_LIKE = re.compile(r"</?[A-Za-z_]+>")   # a tag inside a query or answer: malformed output
-MAX_QUERY_CHARS = 1000
+BLOCK = {kind: re.compile(rf"<{kind}>(.*?)</{kind}>", re.IGNORECASE | re.DOTALL) for kind in ("search", "answer")}
+OPEN = {kind: re.compile(rf"<{kind}>", re.IGNORECASE) for kind in ("search", "answer")}
 
 
 # ----------------------------------------------------------------------------- reward
@@ -165,17 +169,13 @@ def _load_file(path, mtime):
 # ----------------------------------------------------------------------------- parsing
 
 def parse_action(text):
-    """-> ("search" | "answer", content) for exactly one well-formed block, else None."""
-    if not isinstance(text, str):
-        return None
-    blocks = TAG.findall(text)
-    opened = text.count("<search>") + text.count("<answer>")
-    if len(blocks) != 1 or opened != 1:
-        return None
-    kind, content = blocks[0][0], blocks[0][1].strip()
-    if not content or len(content) > MAX_QUERY_CHARS or TAG_LIKE.search(content):
-        return None
-    return kind, content
+    """Raw response -> ((kind, content) or None, valid), as the authors' search projection (module
+    docstring). Never raises."""
+    text = envs.as_text(text)
+    cut = next((text.split(end, 1)[0] + end for end in ("</search>", "</answer>") if end in text), text)
+    found = next(((kind, m.group(1).strip()) for kind in ("search", "answer") if (m := BLOCK[kind].search(cut))), None)
+    n_search, n_answer = len(OPEN["search"].findall(text)), len(OPEN["answer"].findall(text))
+    return found, found is not None and not (n_search and n_answer) and n_search <= 1 and n_answer <= 1
 
 
 # ----------------------------------------------------------------------------- env
@@ -215,25 +215,22 @@ class SearchEnv(gym.Env):
             raise RuntimeError("call reset() before step()")
         if self.done:
             return "The episode is over; call reset().", 0.0, True, False, dict(won=False, valid=False, action="")
-        parsed = parse_action(text)
-        reward, terminated, action = 0.0, False, ""
-        if parsed is None:
-            obs = ("Invalid action. Write exactly one <search> query </search> or one "
-                   "<answer> answer </answer> per turn.")
-        elif parsed[0] == "search":
-            action = f"<search> {parsed[1]} </search>"
+        parsed, valid = parse_action(text)
+        reward, terminated, action, obs = 0.0, False, "", ""
+        if parsed is not None and parsed[0] == "search":
+            action = f"<search>{parsed[1]}</search>"
             docs = retrieve(self.url, parsed[1], self.topk, **self.client)
             obs = f"<information>{format_documents(docs)}</information>"
-        else:
-            action = f"<answer> {parsed[1]} </answer>"
+        elif parsed is not None:
+            action = f"<answer>{parsed[1]}</answer>"
             reward = exact_match(parsed[1], self.example["answers"])
             terminated = True
             obs = f"Your answer: {parsed[1]}"
-        self.history.append((self.obs, action or "(invalid)"))
+        self.history.append((obs, action))
         self.steps += 1
         truncated = not terminated and self.steps >= self.max_steps
         self.done, self.obs = terminated or truncated, obs
-        info = dict(won=reward == 1.0, valid=parsed is not None, action=action)
+        info = dict(won=reward == 1.0, valid=valid, action=action)
         return obs, reward * self.reward_scale, terminated, truncated, info
 
     # -- contract extras
@@ -247,16 +244,16 @@ class SearchEnv(gym.Env):
         return f"<answer> {self.example['answers'][0]} </answer>"
 
     def prompt(self):
+        """The authors' search template structure: role and question; after the first step the steps
+        taken and the last `history_length` actions, each with the information it brought back; the turn
+        instruction with the format rules."""
         lines = [
             "You are an expert agent answering a question step by step with the help of a search engine.",
             f"{envs.task_line(self.name)} {self.task}",
         ]
-        lines += envs.history_lines(self.history, self.steps, self.history_length, header=(
-            "Your most recent steps (search results are inside <information> </information>):"))
-        lines.append(f"You are now at step {self.steps + 1} of at most {self.max_steps}. "
-                     f"Current observation: {self.obs}")
-        lines.append("First reason inside <think> </think>. Then do exactly one of: "
-                     "(1) if you lack knowledge, search with <search> your query </search> and the "
+        lines += envs.history_lines(self.history, self.steps, self.history_length, line="[Step {k}] {act}\n{obs}")
+        lines.append("Now it's your turn. First reason inside <think> </think>. Then do exactly one of: "
+                     "(1) if you lack knowledge, search with <search> your query </search>, and the "
                      "results will come back inside <information> </information>; "
                      "(2) if you know enough, give the final answer inside <answer> </answer>, "
                      "a few words without explanation, for example <answer> Beijing </answer>.")

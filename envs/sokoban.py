@@ -11,6 +11,10 @@ the generator is written here.
 
 Observation: a text grid with a legend. Actions: up, down, left, right, one per turn inside
 <action></action>. Reward 10 when the box lands on the target (the episode ends there).
+Validity and what is executed follow the authors' Sokoban projection (env_package/sokoban/projection.py
+at 2cf2fad): the first of up, down, left, right, still that occurs in the lower-cased text between the
+action tags is the move, and the response is valid when one occurs and a think block is there; otherwise
+the move is "still" (the player stays, the step counts), which is also what the history keeps.
 """
 from collections import deque
 
@@ -22,6 +26,7 @@ import envs
 WALL, FLOOR = 0, 1
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ACTIONS = list(MOVES)
+KEYWORDS = ACTIONS + ["still"]   # the projection's lookup order; "still" = stay (their action 0)
 # first seed of each split; task i of a split is the room drawn from seed SPLIT_SEED[split] + i
 SPLIT_SEED = {"train": 0, "valid": 10_000_000, "test": 20_000_000}
 SPLIT_SIZE = {"train": 1_000_000, "valid": 1_000, "test": 1_000}
@@ -163,11 +168,12 @@ def render_rgb(walls, target, box, player, scale=16):
 
 # ----------------------------------------------------------------------------- parsing
 
-def parse_action(text, admissible):
-    """The text inside exactly one <action>...</action>, lowercased; None when missing, repeated,
-    non-ASCII or not admissible."""
-    action = (envs.action_text(text) or "").lower()
-    return action if action in admissible else None
+def parse_action(text):
+    """Raw response -> (move, valid) as the authors' projection: the first keyword found in the text inside
+    the action tags, valid with a think block; "still" and invalid when no keyword or no tags."""
+    inside = envs.action_text(text)
+    move = next((k for k in KEYWORDS if k in inside), None) if inside is not None else None
+    return move or "still", move is not None and envs.has_think(text)
 
 
 # ----------------------------------------------------------------------------- env
@@ -207,22 +213,19 @@ class SokobanEnv(gym.Env):
     def step(self, text):
         if self.room is None:
             raise RuntimeError("call reset() before step()")
-        action = parse_action(text, ACTIONS)
         if self.done:
             info = dict(won=False, valid=False, action="", admissible=list(ACTIONS))
             return "The episode is over; call reset().", 0.0, True, False, self._with_image(info)
-        if action is None:
-            obs = ("Invalid action. Reply with exactly one of up, down, left, right inside "
-                   "<action></action>. The board is unchanged:\n" + self._grid())
-        else:
+        action, valid = parse_action(text)
+        if action != "still":
             self._move(action)
-            obs = self._grid()
+        obs = self._grid()
         won = self.box == self.room["target"]
-        self.history.append((self.obs, action if action is not None else "(invalid)"))
+        self.history.append((self.obs, action))
         self.steps += 1
         truncated = not won and self.steps >= self.max_steps
         self.done, self.obs = won or truncated, obs
-        info = dict(won=won, valid=action is not None, action=action or "", admissible=list(ACTIONS))
+        info = dict(won=won, valid=valid, action=action, admissible=list(ACTIONS))
         return obs, self.reward_scale if won else 0.0, won, truncated, self._with_image(info)
 
     def _move(self, action):
@@ -255,17 +258,25 @@ class SokobanEnv(gym.Env):
         return plan[0] if plan else None
 
     def prompt(self):
+        """The authors' Sokoban template structure: role, symbols, goal, rules; then at the first step the
+        board, later the steps taken, the last `history_length` board/move pairs and the current step and
+        board; the admissible moves; the turn instruction with the format rules."""
         lines = [
             f"You are an expert agent playing Sokoban on a {self.dim}x{self.dim} grid.",
-            f"{envs.task_line(self.name)} {self.task}",
             LEGEND,
+            f"{envs.task_line(self.name)} {self.task}",
             "Rules: each action moves you one cell. Walking into the box pushes it one cell if the "
             "cell behind it is free; you cannot pull it, so avoid pushing it into a corner or "
             "against a wall away from the target.",
         ]
-        lines += envs.history_lines(self.history, self.steps, self.history_length, obs_sep="\n")
-        lines.append(f"You are now at step {self.steps + 1}. Current observation:\n{self.obs}")
+        if self.steps == 0:
+            lines.append(f"Current observation:\n{self.obs}")
+        else:
+            lines += envs.history_lines(self.history, self.steps, self.history_length,
+                                        line="[Observation {k}]\n{obs}\n[Action {k}] {act}")
+            lines.append(f"You are now at step {self.steps + 1}. Current observation:\n{self.obs}")
         lines.append(f"Your admissible actions are: {', '.join(ACTIONS)}.")
-        lines.append("First think step by step inside <think> </think>, then give exactly one "
+        lines.append("Now it's your turn to make one move. First think step by step inside <think> </think> "
+                     "about where the box and the target are and how to avoid traps; then give exactly one "
                      "action inside <action> </action>, for example <action>left</action>.")
         return "\n".join(lines)

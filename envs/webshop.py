@@ -8,10 +8,13 @@ search engine and the reward that scores the bought product against the instruct
     ./setup.sh -d small        # or -d all: product data, goals, search index (needs Java for pyserini)
     pip install -e .
 
-The adapter parses `<action>search[query]</action>` / `<action>click[button]</action>`, checks it
-against the page's available actions (search only where the page has a search bar, click only on a
-listed clickable), steps the official env, and reports `score` (the official reward in [0, 1]) and
-`won` (score == 1). Episode reward = 10 * won, as verl-agent trains it. Splits follow the WebShop
+Validity and what is executed follow the authors' WebShop projection (env_package/webshop/projection.py
+at 2cf2fad), a format rule: the response holds the action tags and a think block and no CJK ideograph.
+The lower-cased text inside the action tags (without the tags: the response's last 20 lower-cased
+characters) goes to the official env as it is, and the official env decides what it can do with it
+(`search[...]` with a non-empty query searches, `click[...]` on a clickable of the page clicks, anything
+else leaves the page as it is). The history keeps what was sent. The adapter reports `score` (the
+official reward in [0, 1]) and `won` (score == 1). Episode reward = 10 * won, as verl-agent trains it. Splits follow the WebShop
 paper's goal indices: test = goals [0, 500), valid = [500, 1500), train = [1500, end).
 One SimServer (products + search engine) is loaded per process and shared by all adapters; each
 adapter has its own session prefix, so a group of envs can play the same goal at once.
@@ -27,7 +30,6 @@ import envs
 SPLITS = {"test": (0, 500), "valid": (500, 1500), "train": (1500, None)}
 INSTALL = ("install the official WebShop environment: git clone https://github.com/princeton-nlp/WebShop; "
            "cd WebShop; ./setup.sh -d small (or -d all); pip install -e .")
-ACTION_RE = re.compile(r"^(search|click)\[(.+)\]$", re.DOTALL)
 _SERVERS = {}                 # (num_products, human_goals) -> the official SimServer, loaded once
 _IDS = itertools.count()      # session prefixes: one per adapter instance
 
@@ -49,11 +51,11 @@ def official_env(num_products=None, human_goals=True, session_prefix=""):
 
 
 def parse_action(text):
-    """-> "search[...]" or "click[...]" from exactly one <action>...</action>, else None."""
-    m = ACTION_RE.match(envs.action_text(text) or "")
-    if m is None or not m.group(2).strip() or not m.group(2).isascii():
-        return None
-    return f"{m.group(1)}[{m.group(2).strip()}]"
+    """Raw response -> (the text sent to the shop, valid), as the authors' projection (module docstring)."""
+    action = envs.action_text(text)
+    if action is None:
+        return envs.as_text(text).lower()[-20:], False
+    return action, envs.has_think(text) and not envs.has_cjk(text)
 
 
 class WebShopEnv(gym.Env):
@@ -100,41 +102,25 @@ class WebShopEnv(gym.Env):
         acts = ["search[<your query>]"] if avail.get("has_search_bar") else []
         return acts + [f"click[{c}]" for c in avail.get("clickables", []) if c != "search"]
 
-    def _check(self, action):
-        """The action normalised the way the official env reads it, or None if not available."""
-        if action is None:
-            return None
-        avail = self.web.get_available_actions()
-        kind, arg = action.split("[", 1)
-        arg = arg[:-1]
-        if kind == "search":
-            return action if avail.get("has_search_bar") else None
-        arg = arg.lower()
-        return f"click[{arg}]" if arg != "search" and arg in avail.get("clickables", []) else None
-
     def step(self, text):
         if self.goal is None:
             raise RuntimeError("call reset() before step()")
         if self.done:
             return "The episode is over; call reset().", 0.0, True, False, dict(
                 won=False, valid=False, action="", admissible=[], score=0.0)
-        action = self._check(parse_action(text))
-        score, terminated = 0.0, False
-        if action is None:
-            obs = ("Invalid action. Choose one of the admissible actions and write it inside "
-                   "<action></action>, e.g. <action>click[buy now]</action>.\n" + self.obs)
-        else:
-            raw, score, terminated, _ = self.web.step(action)
-            score = float(score or 0.0)
-            obs = self._clean(raw)
-            if action.startswith("click["):
-                self.clicked.add(action[6:-1])
+        action, valid = parse_action(text)
+        clickables = self.web.get_available_actions().get("clickables", [])
+        raw, score, terminated, _ = self.web.step(action)
+        score = float(score or 0.0)
+        obs = self._clean(raw)
+        if action.startswith("click[") and action.endswith("]") and action[6:-1] in clickables:
+            self.clicked.add(action[6:-1])
         won = bool(terminated and score >= 1.0)
-        self.history.append((self.obs, action or "(invalid)"))
+        self.history.append((self.obs, action))
         self.steps += 1
         truncated = not terminated and self.steps >= self.max_steps
         self.done, self.obs = bool(terminated or truncated), obs
-        info = dict(won=won, valid=action is not None, action=action or "", score=score,
+        info = dict(won=won, valid=valid, action=action, score=score,
                     admissible=[] if self.done else self.admissible())
         return obs, self.reward_scale if won else 0.0, bool(terminated), truncated, info
 
@@ -175,14 +161,21 @@ class WebShopEnv(gym.Env):
         return None
 
     def prompt(self):
+        """The authors' WebShop template structure: role and task; at the first step the page, later the
+        steps taken, the last `history_length` page/action pairs and the current step and page; the
+        available actions; the turn instruction with the format rules."""
         lines = [
             "You are an expert autonomous agent shopping in the WebShop online store.",
             f"{envs.task_line(self.name)} {self.task}",
         ]
-        lines += envs.history_lines(self.history, self.steps, self.history_length)
-        lines.append(f"You are now at step {self.steps + 1}. Current page: {self.obs}")
+        if self.steps == 0:
+            lines.append(f"Current page: {self.obs}")
+        else:
+            lines += envs.history_lines(self.history, self.steps, self.history_length)
+            lines.append(f"You are now at step {self.steps + 1}. Current page: {self.obs}")
         lines.append(f"Your admissible actions are: {', '.join(self.admissible())}.")
-        lines.append("First think step by step inside <think> </think>, then give exactly one "
-                     "admissible action inside <action> </action>, for example "
-                     "<action>search[red cotton t-shirt]</action> or <action>click[buy now]</action>.")
+        lines.append("Now it's your turn to act. First think step by step inside <think> </think> about which "
+                     "admissible action best advances the shopping goal, then give exactly one admissible "
+                     "action inside <action> </action>, for example <action>search[red cotton t-shirt]"
+                     "</action> or <action>click[buy now]</action>.")
         return "\n".join(lines)

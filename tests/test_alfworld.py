@@ -22,13 +22,23 @@ REAL = SHARED / "alfworld" if SHARED else None
 REAL_PLAN = ["look", "go to sinkbasin 1", "go to microwave 1", "open microwave 1", "close microwave 1",
              "go to garbagecan 1", "go to fridge 1", "open fridge 1", "close fridge 1", "go to countertop 1",
              "go to countertop 2"]   # the README's plan up to the potato (which potato is the expert's draw)
-HOSTILE = ["", " ", "x" * 10_000, "<action></action>", "<think>hm</think>", "<action>look",
-           "<action>look</action><action>inventory</action>", "<action><action>look</action></action>",
-           "<think>\u601d\u8003</think><action>look</action>", "<action>l\u00f6\u00f6k</action>",
-           "<action>look\x00</action>", "<action>\U0001F600</action>", "\u202e<action>kool</action>",
-           "<action>__import__('os').system('echo pwned')</action>", "```python\nimport os\n```",
-           "<action>go to the moon</action>", "<action>" + "go to cabinet 1 " * 500 + "</action>",
-           "</action>look<action>", "<ACTION>look</ACTION><action>look</action>", None, 42, b"<action>look</action>"]
+# (response, valid, what the game is sent) under the authors' ALFWorld projection (projection.py:19-63 at
+# 2cf2fad): the lower-cased text between the first <action> and the first </action>; valid when <think> and
+# </think> are there and no CJK ideograph; without the action tags the last 30 lower-cased characters are sent.
+CASES = [("", False, ""), (" ", False, " "), ("x" * 10_000, False, "x" * 30), ("<think>hm</think>", False, "<think>hm</think>"),
+         ("<action></action>", False, ""), ("<action>look", False, "<action>look"),
+         ("<action>look</action>", False, "look"),                                   # no think block: invalid, still sent
+         ("<think>\u601d\u8003</think><action>look</action>", False, "look"),        # CJK in the reasoning
+         ("<think>ok</think><action>\u65e5\u672c\u8a9e</action>", False, "\u65e5\u672c\u8a9e"),
+         ("<think>ok</think><action>go to the moon</action>", True, "go to the moon"),  # inadmissible, valid
+         ("<think>ok</think><action>l\u00f6\u00f6k</action>", True, "l\u00f6\u00f6k"),
+         ("<think>ok</think><action>look\x00</action>", True, "look\x00"),
+         ("<think>ok</think><action>look</action><action>inventory</action>", True, "look"),
+         ("<think>ok</think><ACTION>  LOOK </ACTION>", True, "look"),
+         ("<think>ok</think></action>look<action>", True, ""),                       # their find(): end before start
+         ("<think>ok</think><action>__import__('os').system('echo pwned')</action>", True,
+          "__import__('os').system('echo pwned')"),
+         (None, False, ""), (42, False, ""), (b"<action>look</action>", False, "")]
 
 
 def respond(action):
@@ -70,23 +80,73 @@ def test_real_game_expert_wins_in_16_steps(real_env):
     assert sys.argv[0] != "translate.py"                               # the PDDL translator's argv hack is undone
 
 
-def test_hostile_strings_are_invalid_and_change_nothing():
+def test_projection_rule_on_the_real_game():
+    """Validity is the authors' format rule, not admissibility; whatever the projection passes on is sent
+    to the game, inadmissible text gets the game's own "Nothing happens.", and nothing ever raises."""
     env = aw.AlfWorldEnv(data_dir=str(REAL), split="valid_seen", max_steps=1000)
     env.reset(seed=0)
     admissible = list(env.admissible)
-    rng = random.Random(0)
-    junk = ["".join(rng.choice("<>/actionthk \n\t\u00e9\u4e2d\U0001F600x") for _ in range(rng.randint(0, 300)))
-            for _ in range(40)]
-    for text in HOSTILE + junk:
+    for text, valid, sent in CASES:
         obs, reward, terminated, truncated, info = env.step(text)
-        assert not info["valid"] and info["action"] == "" and reward == 0 and not info["won"], text
-        assert obs.startswith("Invalid action") and env.admissible == admissible and not (terminated or truncated)
-    obs, _, _, _, info = env.step("<think>go</think><action>  Go To   MICROWAVE 1 </action>")
-    assert info["valid"] and info["action"] == "go to microwave 1" and "microwave 1" in obs
+        assert info["valid"] is valid and info["action"] == sent, repr(text)[:80]
+        assert env.history[-1][1] == sent and reward == 0 and not (terminated or truncated)
+        if sent not in admissible:
+            assert obs == "Nothing happens." and env.admissible == admissible, repr(text)[:80]
+    rng = random.Random(0)
+    for _ in range(40):                                                   # random junk: never raises
+        junk = "".join(rng.choice("<>/actionthk \n\t\u00e9\u4e2d\U0001F600x") for _ in range(rng.randint(0, 300)))
+        obs, reward, _, _, info = env.step(junk)
+        assert isinstance(obs, str) and reward == 0 and env.history[-1][1] == info["action"]
 
 
-def test_prompt_has_task_line_history_and_actions(real_env):
+def test_inadmissible_command_is_valid_sent_and_kept_in_the_history(real_env):
     real_env.reset(seed=0)
+    obs, _, _, _, info = real_env.step("<think>The moon may hold a potato.</think><action>Go to the MOON</action>")
+    assert info["valid"] and info["action"] == "go to the moon" and obs == "Nothing happens."
+    assert real_env.history == [(real_env.history[0][0], "go to the moon")]
+    prompt = real_env.prompt()
+    assert "[Action 1] go to the moon" in prompt and "Current observation: Nothing happens." in prompt
+    # the response's own spacing is kept (lower-cased and stripped only), as the authors send it
+    obs, _, _, _, info = real_env.step("<think>go</think><action>  go to   microwave 1 </action>")
+    assert info["valid"] and info["action"] == "go to   microwave 1" and obs == "Nothing happens."
+    obs, _, _, _, info = real_env.step("<think>go</think><action>Go To Microwave 1</action>")
+    assert info["valid"] and info["action"] == "go to microwave 1" and "microwave 1" in obs and obs != "Nothing happens."
+
+
+def test_missing_think_is_invalid_penalized_and_still_executed(real_env):
+    import grpo
+    real_env.reset(seed=0)
+    obs, _, _, _, info = real_env.step("<action>go to microwave 1</action>")
+    assert not info["valid"] and info["action"] == "go to microwave 1" and "microwave 1" in obs
+    assert real_env.history[-1][1] == "go to microwave 1"
+    # the trainer's row reward (episode reward 10 here) loses the invalid-action penalty on this row only
+    rows = grpo.row_rewards([10.0, 10.0], [info["valid"], True], real_env.invalid_penalty)
+    assert rows.tolist() == pytest.approx([9.9, 10.0])
+    # no action tags: the last 30 lower-cased characters go to the game (an exact command would run)
+    obs, _, _, _, info = real_env.step("Go to countertop 1")
+    assert not info["valid"] and info["action"] == "go to countertop 1" and "countertop 1" in obs
+    obs, _, _, _, info = real_env.step("I think I should now " + "look around the kitchen carefully")
+    assert not info["valid"] and info["action"] == "look around the kitchen carefully"[-30:] and obs == "Nothing happens."
+
+
+def test_cjk_inside_the_tags_is_invalid(real_env):
+    real_env.reset(seed=0)
+    for text in ["<think>\u52a0\u70ed\u571f\u8c46</think><action>look</action>",
+                 "<think>heat it</think><action>look \u4e00</action>"]:
+        obs, _, _, _, info = real_env.step(text)
+        assert not info["valid"], text
+    # outside the ideograph block (the authors test \u4e00-\u9fff only) the format rule holds
+    obs, _, _, _, info = real_env.step("<think>\u3072\u3089\u304c\u306a</think><action>look</action>")
+    assert info["valid"] and info["action"] == "look"
+
+
+def test_prompt_first_step_and_later_steps(real_env):
+    real_env.reset(seed=0)
+    first = real_env.prompt().splitlines()
+    assert [ln for ln in first if ln.startswith(task_line("alfworld"))] == [
+        "Your task is to: heat some potato and put it in sinkbasin."]
+    assert first[1].startswith("Current observation: You are in the middle of a room.") and "Welcome" not in first[1]
+    assert not any(ln.startswith(("Prior to this step", "[Observation", "You are now at step")) for ln in first)
     for action in REAL_PLAN[:7]:
         real_env.step(respond(action))
     real_env.step("no tags at all")
@@ -94,10 +154,11 @@ def test_prompt_has_task_line_history_and_actions(real_env):
     lines = prompt.splitlines()
     assert [ln for ln in lines if ln.startswith(task_line("alfworld"))] == [
         "Your task is to: heat some potato and put it in sinkbasin."]
-    assert sum(ln.startswith("Step ") and " action: " in ln for ln in lines) == real_env.history_length == 5
-    assert "Step 8 action: (invalid)" in prompt and "Step 3 action" not in prompt
+    assert "Prior to this step you have taken 8 step(s)." in prompt and "You are now at step 9." in prompt
+    assert sum(ln.startswith("[Action ") for ln in lines) == real_env.history_length == 5
+    assert "[Action 8] no tags at all" in prompt and "[Action 3]" not in prompt and "[Action 4] " in prompt
     assert all(f'"{a}"' in prompt for a in real_env.admissible) and '"help"' not in prompt
-    assert "<think>" in prompt and "<action>" in prompt
+    assert lines[-1].startswith("Now it's your turn") and "<think>" in lines[-1] and "<action>" in lines[-1]
 
 
 def test_truncation_and_steps_after_the_end(real_env):

@@ -1,6 +1,7 @@
 """Tests for the Sokoban, EZPoints, Search QA (with the BM25 retriever server) and WebShop envs
-(DESIGN section 6): experts win, hostile text is an invalid action and never raises, prompts carry
-the skill-insertion task line, seeds fix tasks, and the retriever protocol works on 127.0.0.1."""
+(DESIGN section 6): experts win, each env's validity rule is the authors' projection (one test per env),
+hostile text never raises, prompts carry the skill-insertion task line, seeds fix tasks, and the retriever
+protocol works on 127.0.0.1."""
 import ast
 import json
 import re
@@ -43,13 +44,18 @@ HOSTILE = [
 ]
 
 
-def assert_rejects_hostile(env, seed=0):
-    for text in HOSTILE:
+NO_FORMAT = ["", "x" * 10_000, None, 42, "__import__('os').system('echo pwned')",
+             "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0 \U0001F600 \u0000 \ufeff"]   # invalid in every env
+
+
+def assert_survives_hostile(env, seed=0):
+    """Any text is handled by the env's projection: a result, never an exception; text with no format at
+    all is invalid everywhere."""
+    for text in HOSTILE + NO_FORMAT:
         env.reset(seed=seed)
         obs, reward, terminated, truncated, info = env.step(text)
-        assert isinstance(obs, str) and obs
-        assert info["valid"] is False and info["action"] == "" and reward == 0.0, repr(text)[:80]
-        assert not terminated and not info["won"]
+        assert isinstance(obs, str) and isinstance(info["valid"], bool) and isinstance(info["action"], str)
+        assert info["valid"] is False or text not in NO_FORMAT, repr(text)[:80]
 
 
 def assert_contract(env, name):
@@ -65,6 +71,7 @@ def assert_contract(env, name):
 
 
 def play_expert(env, seed, wrap=lambda a: f"<think>plan</think><action>{a}</action>"):
+    """The env's expert to the end, each move wrapped in the env's response format."""
     obs, info = env.reset(seed=seed)
     total, steps = 0.0, 0
     while True:
@@ -121,7 +128,7 @@ def test_sokoban_rules_hostile_truncation_and_image():
     obs, info = env.reset(seed=3)
     assert info["image"].dtype == np.uint8 and info["image"].shape == (96, 96, 3)
     assert "Symbols:" in env.prompt() and "up, down, left, right" in env.prompt()
-    assert_rejects_hostile(env, seed=3)
+    assert_survives_hostile(env, seed=3)
     env.reset(seed=3)
     for i in range(15):
         obs, reward, terminated, truncated, info = env.step("no tags here")
@@ -136,10 +143,40 @@ def test_sokoban_rules_hostile_truncation_and_image():
 def test_sokoban_history_in_prompt():
     env = sokoban.SokobanEnv(history_length=2)
     env.reset(seed=0)
-    for a in ["<action>up</action>", "bad", "<action>left</action>"]:
+    first = env.prompt()
+    assert "Current observation:" in first and "Prior to this step" not in first and "[Action" not in first
+    for a in ["<think>t</think><action>up</action>", "bad", "<think>t</think><action>left</action>"]:
         env.step(a)
     p = env.prompt()
-    assert "[Action 2] (invalid)" in p and "[Action 3] left" in p and "[Action 1]" not in p
+    assert "Prior to this step you have taken 3 step(s)." in p and "You are now at step 4." in p
+    assert "[Action 2] still" in p and "[Action 3] left" in p and "[Action 1]" not in p
+    assert p.splitlines()[-1].startswith("Now it's your turn") and "<think>" in p.splitlines()[-1]
+
+
+def test_sokoban_projection_rule():
+    """The authors' sokoban_projection (projection.py:22-86 at 2cf2fad): the first of up, down, left, right,
+    still inside the action tags is the move; valid with a think block; otherwise "still" (stay), invalid.
+    No CJK rule here."""
+    env = sokoban.SokobanEnv()
+    cases = [("<think>t</think><action>Move UP now</action>", "up", True),
+             ("<think>t</think><action>upleft</action>", "up", True),         # lookup order up, down, left, right
+             ("<think>t</think><action>left or right</action>", "left", True),
+             ("<think>t</think><action>still</action>", "still", True),
+             ("<think>\u5411\u5de6</think><action>left</action>", "left", True),
+             ("<action>left</action>", "left", False),                         # no think: invalid, still moved
+             ("<think>t</think><action>jump</action>", "still", False),
+             ("<think>t</think><action>\u4e0a</action>", "still", False),
+             ("<think>t</think>left", "still", False), ("<think>t</think></action>up<action>", "still", False)]
+    for text, move, valid in cases:
+        env.reset(seed=0)
+        start = (env.player, env.box)
+        expected = sokoban.SokobanEnv(); expected.reset(seed=0)
+        if move != "still":
+            expected._move(move)
+        obs, _, _, _, info = env.step(text)
+        assert (info["action"], info["valid"]) == (move, valid), text
+        assert (env.player, env.box) == (expected.player, expected.box) and obs == expected._grid()
+        assert env.history == [(sokoban.render_text(env.room["walls"], env.room["target"], start[1], start[0]), move)]
 
 
 # ----------------------------------------------------------------------------- EZPoints
@@ -165,32 +202,64 @@ def test_ezpoints_solver_and_deals():
                for a, b in ezpoints.TASKS)
 
 
+def ez(token):
+    """An EZPoints response in the authors' JSON format."""
+    return json.dumps({"thoughts": "one step at a time", "action": token})
+
+
 def test_ezpoints_expert_rules_and_hostile():
     env = envs.make("ezpoints", max_steps=5, history_length=2)
     assert_contract(env, "ezpoints")
     for seed in range(0, env.num_tasks, 7):
-        won, total, steps = play_expert(env, seed)
+        won, total, steps = play_expert(env, seed, wrap=ez)
         assert won and total == 10.0 and steps == 4
     assert env.reset(seed=11)[0] == envs.make("ezpoints").reset(seed=11)[0]
-    assert_rejects_hostile(env)
+    assert_survives_hostile(env)
     # wrong formula: ends the episode without a win
     env.reset(seed=0)
     a, b = env.values
-    for tok in [str(a), "-", str(b), "="]:
-        obs, reward, terminated, truncated, info = env.step(f"<action>{tok}</action>")
-    assert terminated and not info["won"] and reward == 0.0 and ("Wrong" in obs or a - b == 12)
-    # a card used twice is not admissible; '=' before both cards is a loss
+    for tok in [str(a), "*" if a + b == 12 else "+", str(b), "="]:
+        obs, reward, terminated, truncated, info = env.step(ez(tok))
+    assert terminated and not info["won"] and reward == 0.0 and "Wrong" in obs
+    # a card used twice is a valid token the formula does not take; '=' before both cards is a loss
     env.reset(seed=0)
-    env.step(f"<action>{a}</action>")
+    env.step(ez(str(a)))
     if a != b:
-        assert env.step(f"<action>{a}</action>")[4]["valid"] is False
-    obs, reward, terminated, _, info = env.step("<action>=</action>")
+        info = env.step(ez(str(a)))[4]
+        assert info["valid"] and env.formula == [str(a)]
+    obs, reward, terminated, _, info = env.step(ez("="))
     assert terminated and reward == 0.0 and "exactly once" in obs
     # running out of steps truncates
     env.reset(seed=0)
     for i in range(5):
-        *_, terminated, truncated, _ = env.step("<action>+</action>")
+        *_, terminated, truncated, _ = env.step(ez("+"))
     assert truncated and not terminated
+
+
+def test_ezpoints_projection_rule():
+    """The authors' gym_projection for EZPoints (gym_cards/projection.py:20-64 at 2cf2fad): from `"action":`
+    on (else the last character) exactly one of 1-10, +, *, = must occur; an invalid answer executes
+    nothing (their action -1); their prompt shows no history."""
+    env = envs.make("ezpoints")
+    env.reset(seed=0)
+    a, b = env.values
+    other = next(str(v) for v in range(2, 10) if v not in (a, b))
+    cases = [(ez(str(a)), str(a), True, [str(a)]),
+             ('{"thoughts": "3 or 4 or 10?", "action": "%d"}' % a, str(a), True, [str(a)]),   # thoughts before: cut
+             ('{"action": "%d", "thoughts": "not %s"}' % (a, other), "", False, []),          # two tokens after the key
+             (ez("10"), "10", True, ["10"] if 10 in (a, b) else []),
+             (ez(other), other, True, []),                   # valid token, not a card value: formula unchanged
+             (ez("-"), "", False, []), (ez("/"), "", False, []),                               # not their operators
+             (f"<think>t</think><action>{a}</action>", "", False, []),                        # last char '>'
+             (f"I pick {a}", str(a), True, [str(a)]),                                          # no key: the last char
+             ('{"action": "' + "\u4e09" + '"}', "", False, [])]
+    for text, token, valid, formula in cases:
+        env.reset(seed=0)
+        obs, reward, terminated, _, info = env.step(text)
+        assert (info["action"], info["valid"], env.formula) == (token, valid, formula), text
+        assert not terminated and reward == 0.0 and env.steps == 1
+    env.step(ez("+"))
+    assert "Prior to this step" not in env.prompt() and '"action"' in env.prompt()
 
 
 # ----------------------------------------------------------------------------- Search QA
@@ -256,11 +325,39 @@ def test_search_env_end_to_end(server):
     env.reset(seed=0)
     obs, reward, terminated, _, info = env.step("<answer>Sydney</answer>")
     assert reward == 0.0 and terminated and not info["won"] and info["valid"]
-    assert_rejects_hostile(env)
+    assert_survives_hostile(env)
     env.reset(seed=0)
     for i in range(4):
         *_, terminated, truncated, _ = env.step("<search>kangaroo</search>")
     assert truncated and not terminated
+
+
+def test_search_projection_rule(server):
+    """The authors' search_projection (search/projection.py:34-88 at 2cf2fad): the first search block, else
+    the first answer block, is executed; invalid when there is none, or both tags, or a tag twice (the
+    block found still runs); no think rule. No block: nothing is executed and no information comes back."""
+    env = envs.make("search", retriever_url=server)
+    cases = [("<search>capital of Australia</search>", "<search>capital of Australia</search>", True, False),
+             ("<SEARCH> capital of Australia </SEARCH>", "<search>capital of Australia</search>", True, False),
+             ("<search>capital of Australia</search><answer>Sydney</answer>", "<search>capital of Australia</search>", False, False),
+             ("<search>capital of Australia</search> <search>koala</search>", "<search>capital of Australia</search>", False, False),
+             ("<answer>Canberra</answer><answer>Sydney</answer>", "<answer>Canberra</answer>", False, True),
+             ("<think>hm</think><answer>Canberra</answer>", "<answer>Canberra</answer>", True, True),
+             ("<search>   </search>", "<search></search>", True, False),
+             ("I would search for the capital.", "", False, False), ("<search>unclosed", "", False, False)]
+    for text, action, valid, ends in cases:
+        env.reset(seed=0)
+        obs, reward, terminated, _, info = env.step(text)
+        assert (info["action"], info["valid"], terminated) == (action, valid, ends), text
+        assert obs.startswith("<information>") == action.startswith("<search>") and (obs == "") == (action == "")
+        assert reward == (1.0 if action == "<answer>Canberra</answer>" else 0.0)
+        assert env.history == [(obs, action)]
+    env.reset(seed=0)
+    first = env.prompt()
+    env.step("<search>capital of Australia</search>")
+    later = env.prompt()
+    assert "Prior to this step" not in first and "[Step 1] <search>capital of Australia</search>" in later
+    assert "Prior to this step you have taken 1 step(s)." in later and "Canberra" in later
 
 
 def test_dead_retriever_reports_url():
@@ -360,7 +457,7 @@ class StandInShop:
         m = re.match(r"^(search|click)\[(.+)\]$", action)
         name, arg = (m.group(1), m.group(2).lower()) if m else (None, None)
         clickables = self.get_available_actions()["clickables"]
-        if name == "search" and self.page == "search":
+        if name == "search":                   # the official env searches from any page
             words = set(arg.split())
             ranked = sorted(self.PRODUCTS, key=lambda a: -len(words & set(self.PRODUCTS[a][0].split())))
             # the best match sits on the second page, so paging is exercised
@@ -408,14 +505,17 @@ def test_webshop_adapter_contract_with_stand_in():
         won, total, steps = play_expert(env, seed)
         assert won and total == 10.0
     assert env.reset(seed=5)[1]["task"] == webshop.WebShopEnv(text_env=StandInShop()).reset(seed=5)[1]["task"]
-    assert_rejects_hostile(env)
+    assert_survives_hostile(env)
     env.reset(seed=0)
-    assert env.step("<action>click[buy now]</action>")[4]["valid"] is False      # not on this page
-    obs, _, _, _, info = env.step("<action>search[red cotton t-shirt]</action>")
-    assert info["valid"] and info["action"] == "search[red cotton t-shirt]"
-    assert env.step("<action>search[again]</action>")[4]["valid"] is False       # no search bar here
-    assert env.step("<action>click[b999]</action>")[4]["valid"] is False
-    assert "[Action 3] (invalid)" in env.prompt() and "[Action 4] (invalid)" in env.prompt()
+    think = "<think>what next</think>"
+    obs, _, _, _, info = env.step(think + "<action>click[buy now]</action>")   # not on this page: nothing happens
+    assert info["valid"] and info["action"] == "click[buy now]" and obs == env.history[0][0]
+    obs, _, _, _, info = env.step(think + "<action>search[Red Cotton T-Shirt]</action>")
+    assert info["valid"] and info["action"] == "search[red cotton t-shirt]" and "B00" in obs
+    assert env.step(think + "<action>click[b999]</action>")[4]["valid"] is True
+    prompt = env.prompt()
+    assert "[Action 2] search[red cotton t-shirt]" in prompt and "[Action 3] click[b999]" in prompt
+    assert "[Action 1]" not in prompt and env.history[0][1] == "click[buy now]"        # history_length 2
     # buying the wrong product: scored, episode over, no win
     env.reset(seed=0)
     env.step("<action>search[wooden desk lamp]</action>")
@@ -424,6 +524,29 @@ def test_webshop_adapter_contract_with_stand_in():
     env.step(f"<action>click[{wrong}]</action>")
     obs, reward, terminated, _, info = env.step("<action>click[Buy Now]</action>")
     assert terminated and reward == 0.0 and not info["won"] and 0 < info["score"] < 1
+
+
+def test_webshop_projection_rule():
+    """The authors' webshop_projection (webshop/projection.py:19-65 at 2cf2fad): a format rule (action tags,
+    think block, no CJK ideograph); the lower-cased action text, or without tags the last 20 lower-cased
+    characters, goes to the shop, which ignores what it cannot do. Stand-in shop: see StandInShop."""
+    env = envs.make("webshop", text_env=StandInShop())
+    cases = [("<think>t</think><action>search[red cotton t-shirt]</action>", "search[red cotton t-shirt]", True),
+             ("<action>search[red cotton t-shirt]</action>", "search[red cotton t-shirt]", False),  # no think
+             ("<think>\u4e70\u886c\u886b</think><action>search[shirt]</action>", "search[shirt]", False),
+             ("<think>t</think><action>buy the shirt</action>", "buy the shirt", True),
+             ("please search[red cotton t-shirt]", "[red cotton t-shirt]", False)]
+    for text, sent, valid in cases:
+        env.reset(seed=0)
+        start = env.obs
+        obs, _, _, _, info = env.step(text)
+        assert (info["action"], info["valid"]) == (sent, valid), text
+        assert (obs != start) == sent.startswith("search[") and env.history == [(start, sent)]
+    env.reset(seed=0)
+    first = env.prompt()
+    assert "Current page:" in first and "Prior to this step" not in first
+    env.step("<think>t</think><action>search[red cotton t-shirt]</action>")
+    assert "You are now at step 2." in env.prompt() and "[Action 1] search[red cotton t-shirt]" in env.prompt()
 
 
 def test_bad_configuration_fails_at_construction():
