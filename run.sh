@@ -4,6 +4,8 @@
 #   ./run.sh test       the test suite (extra arguments go to pytest)
 #   ./run.sh setup      only install
 #   ./run.sh alfworld|webshop|search|sokoban|ezpoints    the paper's recipe on 8 GPUs
+#   ./run.sh gpu-check  prove the GPU path on this machine (weight sync, sleep/wake, FSDP2, memory model)
+#   ./run.sh memory     the per-rank memory table (bench/memory.py; extra arguments go to it)
 # The virtual environment lives in .venv (or $SEED_VENV); it is rebuilt when the requirements change.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -78,7 +80,10 @@ recipe() {
   local data=() annot=() shard=()
   [ -n "${DATA_DIR:-}" ] && data=(--data_dir "$DATA_DIR")
   [ -n "${ANALYZER_URL:-}" ] && annot=(--analyzer_url "$ANALYZER_URL" --analyzer_model "${ANALYZER_MODEL:?set ANALYZER_MODEL}")
-  case "$model" in *7B*|*7b*|*8B*|*8b*) shard=(--fsdp --gradient_checkpointing) ;; esac
+  # bench/memory.py: at micro-batch 8 of 2048 + 512 tokens no model fits without gradient checkpointing,
+  # and from 3B on DDP's full float32 copies (parameters, gradients, AdamW) do not fit beside vLLM's share
+  shard=(--gradient_checkpointing)
+  case "$model" in *3B*|*3b*|*4B*|*4b*|*7B*|*7b*|*8B*|*8b*|*14B*|*14b*) shard+=(--fsdp) ;; esac
   if [ "$env" = webshop ] && [ -z "${ANALYZER_URL:-}" ]; then
     echo "WebShop's Stage 1 needs an external analyzer: set ANALYZER_URL and ANALYZER_MODEL" >&2; exit 2
   fi
@@ -120,7 +125,13 @@ case "$cmd" in
   alfworld|webshop|search|sokoban|ezpoints)
     setup
     recipe "$cmd" "$@" ;;
+  gpu-check)
+    setup
+    exec "$PY" tests/gpu_check.py "$@" ;;
+  memory)
+    setup
+    exec "$PY" bench/memory.py "$@" ;;
   *)
-    echo "unknown command '$cmd'; use: test | setup | (nothing) | alfworld | webshop | search | sokoban | ezpoints" >&2
+    echo "unknown command '$cmd'; use: test | setup | (nothing) | alfworld | webshop | search | sokoban | ezpoints | gpu-check | memory" >&2
     exit 2 ;;
 esac
