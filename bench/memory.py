@@ -52,17 +52,20 @@ def shapes(c):
     return L * layer + root, layer, root, dict(H=H, L=L, V=V, I=I, q=q, kv=kv, heads=c["num_attention_heads"])
 
 
-def activations(w, tokens, row_len, act_bytes, checkpointing, math_attention):
-    """Saved activations of one micro-batch (tokens = rows x padded length). Per token and layer: the two
-    RMSNorms keep a float32 input and normalized copy plus their output; attention keeps q, k, v, the
-    rotary copies and the output (plus the [heads, T, T] probabilities on the math path); the SwiGLU MLP keeps
-    gate, its activation, up and their product."""
+def activations(w, tokens, row_len, act_bytes, checkpointing, math_attention, stream_bytes):
+    """Saved activations of one micro-batch (tokens = rows x padded length). act_bytes: matmul outputs
+    (the compute dtype); stream_bytes: the residual stream (float32 under autocast with float32 weights,
+    DDP; the compute dtype when FSDP2 gathers bf16 parameters). Per token and layer: the two RMSNorms keep
+    a float32 input and normalized copy plus their output (and its cast to the compute dtype); attention
+    keeps q, k, v, the rotary copies and the output (plus the [heads, T, T] probabilities on the math
+    path); the SwiGLU MLP keeps gate, its activation, up and their product."""
     H, I, q, kv = w["H"], w["I"], w["q"], w["kv"]
-    per = 2 * (8 * H + act_bytes * H) + act_bytes * (3 * q + 2 * H + 6 * kv) + act_bytes * 4 * I
+    cast = act_bytes * H if stream_bytes != act_bytes else 0
+    per = 2 * (8 * H + stream_bytes * H + cast) + act_bytes * (3 * q + 2 * H + 6 * kv) + act_bytes * 4 * I
     if math_attention:
         per += 4 * w["heads"] * row_len                              # float32 softmax output, one row of T
     if checkpointing:
-        return w["L"] * tokens * H * act_bytes + tokens * per        # layer inputs + one layer's recompute
+        return w["L"] * tokens * H * stream_bytes + tokens * per     # layer inputs + one layer's recompute
     return w["L"] * tokens * per
 
 
@@ -83,7 +86,8 @@ def estimate(c, world=8, fsdp=False, gpu_gb=80.0, util=0.3, micro_batch=8, promp
         "reference": compute_bytes * N / shard,
         "grads fp32": 4 * N / shard,                                # DDP: bucket views, always allocated
         "fsdp gathered": (2 * layer + root) * compute_bytes + 4 * root if fsdp and world > 1 else 0.0,
-        "activations": activations(w, tokens, prompt + response, compute_bytes, checkpointing, math_attention),
+        "activations": activations(w, tokens, prompt + response, compute_bytes, checkpointing, math_attention,
+                                   compute_bytes if fsdp and world > 1 else 4),
         "logits chunk": LOGIT_COPIES * min(chunk, micro_batch * response * w["V"] * 4),
         "engine awake": (engine_gb if engine_gb is not None else util * gpu_gb) * GB,
         "engine weights + 1 tensor": engine_bytes * (N + w["V"] * w["H"]),
@@ -173,7 +177,7 @@ def validate(run_dir):
                           checkpointing=cfg["gradient_checkpointing"], compute_bytes=4, engine_bytes=4,
                           runtime_gb=runtime * 2 ** 20 / GB, math_attention=True, engine_gb=0.0)
     _, _, _, w = shapes(c)
-    one_layer = activations(w, tokens, width, 4, False, True) / w["L"]    # a no-grad pass keeps one layer's
+    one_layer = activations(w, tokens, width, 4, False, True, 4) / w["L"]    # a no-grad pass keeps one layer's
     base = part["runtime"] + part["params fp32"] + part["reference"]      # the engine is inside the runtime
     pred = {"collect": base,                                            # before the first step: no AdamW yet
             "logprobs": base + one_layer + part["logits chunk"],
