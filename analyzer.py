@@ -20,16 +20,14 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import envs
 import rollout
+from envs import insert_skill  # noqa: F401  (lives beside the env prompts; analyzer.insert_skill for callers)
 
 SYSTEM = ("You are an expert coach for an AI agent. You read one finished episode of the agent and write a "
           "short, reusable skill that will help the agent on similar tasks. You answer with JSON only.")
 CORRECTION = ("Your answer could not be used: {why}. Reply with only one JSON object, exactly of the form "
               '{{"episode_summary": "<one or two sentences>", "episode_skill": "<one short skill, a full '
               'sentence addressed to the agent>"}}, and nothing else.')
-TURN_LINE = "Now it's your turn"     # opens the turn instruction in verl-agent style prompts
-SKILL_PREFIX = "Skill from past experience: "
 MAX_SKILL_CHARS = 600                # a longer skill is cut at a sentence or word boundary
 PLACEHOLDERS = {"", "none", "n/a", "na", "null", "skill", "...", "todo", "tbd", "unknown", "no skill",
                 "the skill", "episode_skill"}
@@ -48,8 +46,9 @@ def _render_steps(ep, obs_keep, resp_cap):
     lines = []
     for t, s in enumerate(ep.steps):
         obs = s.observation if t >= obs_keep else "[older observation trimmed]"
-        resp = s.response_text if len(s.response_text) <= resp_cap else s.response_text[:resp_cap] + " [...]"
-        valid = "valid" if s.valid else "INVALID (not an admissible, well-formed action)"
+        resp, act = (x if len(x) <= resp_cap else x[:resp_cap] + " [...]" for x in (s.response_text, s.action))
+        valid = (f"valid, executed: {act}" if s.valid else
+                 f"INVALID (the response broke the required format), executed: {act or 'nothing'}")
         lines += [f"## Step {t + 1}", f"Observation: {obs}", f"Agent response: {resp}", f"Action: {valid}", ""]
     return "\n".join(lines)
 
@@ -212,27 +211,6 @@ def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_
             "generate_calls": calls}
 
 
-# ----------------------------------------------------------------------------- skills in prompts
-
-def insert_skill(prompt_text, skill, env_name):
-    """Put a one-line skill block right after the env's task line ("Your task is to: ..."); when that line
-    is absent, right before the turn instruction (the last line that starts with "Now it's your turn" or
-    asks for <think>, i.e. the format instruction); failing both, at the top.
-    An empty or None skill returns the prompt unchanged."""
-    if not skill or not skill.strip():
-        return prompt_text
-    block = SKILL_PREFIX + " ".join(skill.split())
-    lines = prompt_text.split("\n")
-    prefix = envs.task_line(env_name)
-    at = next((i + 1 for i, ln in enumerate(lines) if ln.lstrip().startswith(prefix)), None)
-    if at is None:
-        at = next((i + 1 for i, ln in enumerate(lines) if prefix in ln), None)
-    if at is None:                                              # the turn / format instruction
-        turn = [i for i, ln in enumerate(lines) if ln.lstrip().startswith(TURN_LINE) or "<think>" in ln]
-        at = turn[-1] if turn else 0
-    return "\n".join(lines[:at] + [block] + lines[at:])
-
-
 # ----------------------------------------------------------------------------- the scripted annotator
 
 def _key_steps(plan, cap=12):
@@ -274,7 +252,7 @@ def scripted_analysis(episode, max_steps=None):
     problems, rules = [], []
     if invalid:
         problems.append(f"{len(invalid)} of {ep.length} responses were invalid actions")
-        rules.append("always end with exactly one admissible action in the required tags")
+        rules.append("always reason and then give exactly one action in the format the prompt asks for")
     if loop:
         problems.append(f"the action '{loop[0]}' was repeated {loop[1]} times")
         rules.append(f"do not repeat '{loop[0]}' when it does not change the situation")

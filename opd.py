@@ -21,7 +21,7 @@ GRPO loss); static skills only change where the skill string comes from (`analyz
 """
 import torch
 
-import analyzer
+import envs
 import grpo
 import rollout
 
@@ -64,7 +64,7 @@ def rlsd_weights(lp, lp_skill, adv, eps=0.2, strength=1.0):
 
 def skill_prompt_ids(tokenizer, step, skill, env_name):
     """The skill-augmented context h~ of one step, as chat token ids (through `rollout.chat_ids`)."""
-    return rollout.chat_ids(tokenizer, analyzer.insert_skill(step.prompt_text, skill, env_name))
+    return rollout.chat_ids(tokenizer, envs.insert_skill(step.prompt_text, skill, env_name))
 
 
 @torch.no_grad()

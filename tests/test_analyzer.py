@@ -275,37 +275,42 @@ def test_analyze_runs_on_the_real_hf_engine(hf_engine, tokenizer, one_thread):
 SKILL = "Push the box along the free column first, never into a corner."
 
 
+BLOCK = [envs.SKILL_HEADER, envs.SKILL_USE, SKILL]          # the block's structure (seed/prompting.py)
+
+
 def _check_after_task_line(prompt, name):
     out = analyzer.insert_skill(prompt, SKILL, name)
     assert out.count(SKILL) == 1
     lines = out.split("\n")
     at = next(i for i, ln in enumerate(lines) if ln.startswith(envs.task_line(name)))
-    assert lines[at + 1] == analyzer.SKILL_PREFIX + SKILL
-    assert out.replace(analyzer.SKILL_PREFIX + SKILL + "\n", "") == prompt    # nothing else changed
+    assert lines[at + 1:at + 4] == BLOCK
+    assert out.replace("\n".join(BLOCK) + "\n", "") == prompt                 # nothing else changed
 
 
 def test_insert_skill_after_the_task_line_of_real_prompts():
-    for name in ("sokoban", "ezpoints"):
+    assert analyzer.insert_skill is envs.insert_skill                        # one function, two names
+    for name in ("sokoban", "ezpoints", "search"):
         env = envs.make(name)
         env.reset(seed=1)
         _check_after_task_line(env.prompt(), name)
+        if name == "sokoban":                                                # a later step's prompt too
+            env.step("<think>t</think><action>up</action>")
+            _check_after_task_line(env.prompt(), name)
     _check_after_task_line("You answer questions.\nYour question: who wrote Hamlet?\nThink, then answer.", "search")
 
 
-def test_insert_skill_fallbacks_and_empty():
+def test_insert_skill_fallbacks_multiline_and_empty():
     prompt = "You play a game.\nCurrent observation: a wall.\nNow it's your turn to act. Use <action>."
     out = analyzer.insert_skill(prompt, SKILL, "sokoban").split("\n")
-    assert out[2] == analyzer.SKILL_PREFIX + SKILL and out[3].startswith("Now it's your turn")
-    prompt = "You play a game.\nCurrent observation: a wall.\nFirst think inside <think> </think>, then act."
-    out = analyzer.insert_skill(prompt, SKILL, "sokoban").split("\n")
-    assert out[2] == analyzer.SKILL_PREFIX + SKILL and out[3].startswith("First think")
-    assert analyzer.insert_skill("Just text.", SKILL, "sokoban").split("\n")[0] == analyzer.SKILL_PREFIX + SKILL
+    assert out[2:5] == BLOCK and out[5].startswith("Now it's your turn")
+    assert analyzer.insert_skill("Just text.", SKILL, "sokoban").split("\n") == BLOCK + ["Just text."]
     # the task sentence inside a longer line still anchors the skill
     out = analyzer.insert_skill("You are an agent. Your task is to: heat an egg.\nAct now.", "Use the microwave to heat it.",
                                 "alfworld").split("\n")
-    assert out[1] == analyzer.SKILL_PREFIX + "Use the microwave to heat it."
-    # multi-line skills become one line; empty skills change nothing
-    assert analyzer.insert_skill("Your task is to: x", "a\nb  c", "alfworld") == "Your task is to: x\n" + analyzer.SKILL_PREFIX + "a b c"
+    assert out[1:4] == [envs.SKILL_HEADER, envs.SKILL_USE, "Use the microwave to heat it."] and out[4] == "Act now."
+    # a multi-line skill keeps its lines (stripped, blank ones dropped); empty skills change nothing
+    assert analyzer.insert_skill("Your task is to: x\nGo.", "  a\n\n b  c ", "alfworld") == "\n".join(
+        ["Your task is to: x", envs.SKILL_HEADER, envs.SKILL_USE, "a", "b  c", "Go."])
     for empty in (None, "", "  \n "):
         assert analyzer.insert_skill("Your task is to: x\nGo.", empty, "alfworld") == "Your task is to: x\nGo."
 

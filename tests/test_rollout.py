@@ -241,10 +241,9 @@ def test_fsdp2_streamed_push_keeps_each_engine_in_sync(tmp_path):
 
 
 def test_collect_with_skills_on_a_real_env(vllm_engine, tokenizer):
-    """skill_grpo: a task's skill sits in the actor prompt right after the task line (analyzer's
-    insert_skill), and prompt_ids are the ids of exactly that text; a None skill leaves it plain."""
+    """skill_grpo: a task's skill block sits in the actor prompt right after the task line
+    (envs.insert_skill), and prompt_ids are the ids of exactly that text; a None skill leaves it plain."""
     import envs
-    from analyzer import SKILL_PREFIX
     skill = "Multiply the two card values first when their product is 12."
     envs_ = [envs.make("ezpoints", max_steps=2) for _ in range(4)]
     episodes = rollout.collect(vllm_engine, tokenizer, envs_, [3, 8], 2, skills=[skill, None], max_tokens=16)
@@ -253,7 +252,7 @@ def test_collect_with_skills_on_a_real_env(vllm_engine, tokenizer):
         for s in ep.steps:
             lines = s.prompt_text.split("\n")
             at = next(i for i, line in enumerate(lines) if line.startswith(envs.task_line("ezpoints")))
-            assert (lines[at + 1] == SKILL_PREFIX + skill) == (ep.group_id == 0)
+            assert (lines[at + 1:at + 4] == [envs.SKILL_HEADER, envs.SKILL_USE, skill]) == (ep.group_id == 0)
             assert (skill in s.prompt_text) == (ep.group_id == 0)
             assert s.prompt_ids == rollout.chat_ids(tokenizer, s.prompt_text)
             assert s.response_text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
