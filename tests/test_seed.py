@@ -253,16 +253,19 @@ def test_seed_run_writes_everything_and_distills(seed_run):
 def grpo_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("grpo") / "run")
     p = run(["seed.py", "--algo", "grpo", "--env", "sokoban", "--out", out, "--updates", "2", "--eval_every", "2",
-             "--eval_tasks", "1", "--lr", "1e-5", *TINY])
+             "--eval_tasks", "1", "--lr", "1e-5", "--eval_first", "--eval_greedy", *TINY])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return out
 
 
 def test_grpo_has_no_opd_term(grpo_run):
-    ms = lines(grpo_run)
-    assert [m["update"] for m in ms] == [0, 1]
+    first, *ms = lines(grpo_run)
+    assert first["update"] == -1 and [m["update"] for m in ms] == [0, 1]     # --eval_first: the starting policy
+    for m in (first, ms[-1]):                                                # at T = 0.4 and greedy
+        assert all(f"{p}/test/{k}" in m for p in ("eval", "eval_greedy") for k in ("success", "invalid_rate", "length"))
+        assert 0 <= m["eval/test/invalid_rate"] <= 1
     assert all("loss/opd" not in m and "gate/mean" not in m and m["skill_rate"] == 0 for m in ms)
-    assert all(m["loss/kl"] >= 0 and m["tokens"] > 0 for m in ms) and "eval/test/success" in ms[-1]
+    assert all(m["loss/kl"] >= 0 and m["tokens"] > 0 for m in ms)
 
 
 def test_checkpoint_reloads_and_evaluates(grpo_run):
