@@ -184,24 +184,28 @@ def pm(xs):
 def table(args, res, cmd):
     """table.md: per algo, held-out success at the start and the end (mean ± std over seeds), area under the
     curve, train episode length and invalid rate, seconds per update; then SEED - other at matched updates."""
+    # "the end" is the last evaluation every run has reached (all of them once the benchmark is done)
+    end = min((max(r["eval"]) for runs in res.values() for r in runs if r["eval"]), default=0)
+    upto = lambda c: {x: y for x, y in c.items() if x <= end}
     first = lambda c: c[min(c)] if c else None
-    last = lambda c: c[max(c)] if c else None
+    last = lambda c: upto(c)[end] if end in c else None
+    area = lambda c: auc(upto(c))
     out = [f"# Learning on the CPU testbed: {args.name}", "",
            f"Command: `{cmd}`", "",
            f"{args.env}; B={args.tasks_per_update} tasks x N={args.group_size} episodes per update, max "
            f"{args.max_steps} steps, history {args.history_length}, {args.max_tokens} response tokens, lr {args.lr:g}, "
            f"KL {args.kl_coef:g}; held-out: {args.eval_tasks} tasks per split of {', '.join(EVAL_SPLITS[args.env])}, "
            f"every {args.eval_every} updates; mean ± std over seeds (population std).", "",
-           "| algo | seeds | updates done | held-out success at 0 (T=0.4) | at the end (T=0.4) | greedy at 0 | "
-           "greedy at the end | AUC (T=0.4) | train success | train episode length | train invalid rate | "
-           "s / update |", "|" + "---|" * 12]
+           f"| algo | seeds | updates done | held-out success at 0 (T=0.4) | at {end} (T=0.4) | greedy at 0 | "
+           f"greedy at {end} | AUC 0-{end} (T=0.4) | train success | train episode length | train invalid rate | "
+           "s / update (no eval) |", "|" + "---|" * 12]
     for algo, runs in res.items():
         done = [len(r["lines"]) for r in runs]
         sec = [np.mean([m["sec/total"] - m.get("sec/eval", 0.0) for m in r["lines"]]) for r in runs]
         per = lambda key: [np.mean([m[key] for m in r["lines"]]) for r in runs]
         out.append(f"| {algo} | {len(runs)} | {min(done)}-{max(done)} | {pm([first(r['eval']) for r in runs])} | "
                    f"{pm([last(r['eval']) for r in runs])} | {pm([first(r['greedy']) for r in runs])} | "
-                   f"{pm([last(r['greedy']) for r in runs])} | {pm([auc(r['eval']) for r in runs])} | "
+                   f"{pm([last(r['greedy']) for r in runs])} | {pm([area(r['eval']) for r in runs])} | "
                    f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | {pm(sec)} |")
     if "seed" in res:
         out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws), "
@@ -210,16 +214,16 @@ def table(args, res, cmd):
         xs = sorted(set().union(*[r["eval"] for r in res["seed"]]))
         out += ["| updates done | " + " | ".join(f"SEED - {a}" for a in others) + " |",
                 "|---|" + "---|" * len(others)]
-        for x in xs + ["AUC"]:
+        for x in [x for x in xs if x <= end] + ["AUC"]:
             cells = []
             for a in others:
                 pairs = [(r, o) for r in res["seed"] for o in res[a] if r["seed"] == o["seed"]]
                 if x == "AUC":
-                    d = [auc(r["eval"]) - auc(o["eval"]) for r, o in pairs]
+                    d = [area(r["eval"]) - area(o["eval"]) for r, o in pairs]
                 else:
                     d = [r["eval"][x] - o["eval"][x] for r, o in pairs if x in r["eval"] and x in o["eval"]]
                 cells.append(pm(d))
-            out.append(f"| {x} | " + " | ".join(cells) + " |")
+            out.append(f"| {x if x != 'AUC' else f'AUC 0-{end}'} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 

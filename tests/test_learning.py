@@ -1,0 +1,43 @@
+"""bench/learning.py's bookkeeping, on hand-written metrics lines in seed.py's format (no model): which runs
+count as finished, the area under the held-out curve, and SEED minus GRPO paired by seed at matched updates."""
+import json
+import os
+
+from bench import learning
+
+
+def write_run(folder, updates, evals):
+    """A run folder's metrics.jsonl: the --eval_first line (update -1), then one line per update; `evals`
+    maps updates done -> held-out success."""
+    os.makedirs(folder, exist_ok=True)
+    lines = [{"update": -1, "eval/test/success": evals[0], "eval_greedy/test/success": evals[0]}]
+    for u in range(updates):
+        m = {"update": u, "success": 0.5, "length": 4.0, "invalid_rate": 0.1, "sec/total": 12.0}
+        if u + 1 in evals:
+            m |= {"eval/test/success": evals[u + 1], "eval_greedy/test/success": evals[u + 1], "sec/eval": 2.0}
+        lines.append(m)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+
+
+def test_auc_is_the_mean_success_over_the_updates():
+    assert learning.auc({0: 0.0, 2: 1.0, 4: 1.0}) == 0.75
+    assert learning.auc({0: 0.3}) != learning.auc({0: 0.3})      # one point: nan, not a number
+
+
+def test_table_pairs_seeds_and_stops_at_the_update_every_run_reached(tmp_path, monkeypatch):
+    monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
+    args, _ = learning.parse_args(["--algos", "seed,grpo", "--seeds", "2", "--updates", "4", "--eval_every", "2"])
+    cache = str(tmp_path / "cache")
+    write_run(f"{cache}/runs/seed-s0", 4, {0: 0.1, 2: 0.4, 4: 0.6})
+    write_run(f"{cache}/runs/seed-s1", 4, {0: 0.2, 2: 0.3, 4: 0.5})
+    write_run(f"{cache}/runs/grpo-s0", 4, {0: 0.1, 2: 0.2, 4: 0.3})
+    write_run(f"{cache}/runs/grpo-s1", 3, {0: 0.2, 2: 0.2})          # killed after 3 updates
+    assert learning.finished(f"{cache}/runs/seed-s1", 4) and not learning.finished(f"{cache}/runs/grpo-s1", 4)
+    res = learning.report(args, cache, "bench/learning.py ...")
+    md = open(tmp_path / "results" / args.name / "table.md").read()
+    assert "at 2 (T=0.4)" in md                                      # the last evaluation all runs reached
+    assert "| 2 | 0.150 ± 0.050 |" in md                              # (0.4 - 0.2, 0.3 - 0.2): mean ± std
+    assert "| 0 | 0.000 ± 0.000 |" in md and "| 4 |" not in md
+    assert os.path.getsize(tmp_path / "results" / args.name / "curves.png") > 10_000
+    assert [len(r["lines"]) for r in res["grpo"]] == [4, 3]
