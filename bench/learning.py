@@ -89,18 +89,18 @@ def checkpoints(args, cache):
     if args.env == "alfworld":
         common_env += ["--data_dir", common.games_dir()]
     warm = args.warmup or os.path.join(cache, "warmup")
-    if not os.path.isfile(os.path.join(warm, "warmup.json")) and not args.warmup:
-        sh(["sft.py", "--stage", "warmup", *common_env, "--out", warm, "--tasks", str(args.warmup_tasks),
-            "--val_fraction", "0.1", "--epochs", "1", "--lr", str(args.warmup_lr), "--batch_size", "8",
-            "--micro_batch_size", "4"], os.path.join(cache, "warmup.log"))
     stage1 = args.stage1 or os.path.join(cache, "stage1")
-    if not os.path.isfile(os.path.join(stage1, "stage1.json")) and not args.stage1:
+    for path in (args.warmup, args.stage1):
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            sys.exit(f"{path} is not a checkpoint folder (no config.json)")
+    if not args.stage1 and not os.path.isfile(os.path.join(stage1, "stage1.json")):
+        if not args.warmup and not os.path.isfile(os.path.join(warm, "warmup.json")):
+            sh(["sft.py", "--stage", "warmup", *common_env, "--out", warm, "--tasks", str(args.warmup_tasks),
+                "--val_fraction", "0.1", "--epochs", "1", "--lr", str(args.warmup_lr), "--batch_size", "8",
+                "--micro_batch_size", "4"], os.path.join(cache, "warmup.log"))
         sh(["sft.py", *common_env, "--model", warm, "--out", stage1, "--tasks", str(args.stage1_tasks),
             "--k0", str(args.stage1_k0), "--epochs", "2", "--lr", str(args.stage1_lr), "--batch_size", "8",
             "--micro_batch_size", "2"], os.path.join(cache, "stage1.log"))
-    for path in (warm, stage1):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            sys.exit(f"{path} is not a checkpoint folder (no config.json)")
     return warm, stage1
 
 
