@@ -86,6 +86,8 @@ def estimate(c, world=8, fsdp=False, gpu_gb=80.0, util=0.3, micro_batch=8, promp
         "reference": compute_bytes * N / shard,
         "grads fp32": 4 * N / shard,                                # DDP: bucket views, always allocated
         "fsdp gathered": (2 * layer + root) * compute_bytes + 4 * root if fsdp and world > 1 else 0.0,
+        # autocast keeps a compute-dtype copy of each float32 weight it casts, for the whole forward
+        "autocast copies": compute_bytes * N if compute_bytes < 4 and not (fsdp and world > 1) else 0.0,
         "activations": activations(w, tokens, prompt + response, compute_bytes, checkpointing, math_attention,
                                    compute_bytes if fsdp and world > 1 else 4),
         "logits chunk": LOGIT_COPIES * min(chunk, micro_batch * response * w["V"] * 4),
@@ -96,7 +98,8 @@ def estimate(c, world=8, fsdp=False, gpu_gb=80.0, util=0.3, micro_batch=8, promp
     grads_between = 0.0 if fsdp else part["grads fp32"]                 # FSDP2 frees them before the push
     phase = {
         "rollout": resident + grads_between + part["engine awake"],
-        "update": resident + part["grads fp32"] + part["fsdp gathered"] + part["activations"] + part["logits chunk"],
+        "update": resident + part["grads fp32"] + part["fsdp gathered"] + part["autocast copies"]
+                  + part["activations"] + part["logits chunk"],
         "push": resident + grads_between + part["engine weights + 1 tensor"],
     }
     return part, phase, N

@@ -51,7 +51,8 @@ def check_memory(model_name="smollm2-135m", micro_batch=4, prompt=1024, response
     part, _, _ = memory.estimate(c, world=1, micro_batch=micro_batch, prompt=prompt, response=response,
                                  checkpointing=True, compute_bytes=2, runtime_gb=0.0, engine_gb=0.0)
     # first step: gradients, then AdamW's moments at the step (the reference and engine are not here)
-    pred = part["params fp32"] + part["grads fp32"] + max(part["activations"] + part["logits chunk"], part["adamw fp32"])
+    pred = part["params fp32"] + part["grads fp32"] + max(part["autocast copies"] + part["activations"]
+                                                          + part["logits chunk"], part["adamw fp32"])
     del model, opt, lp, mask, ent
     torch.cuda.empty_cache()
     ratio = pred / measured
