@@ -251,6 +251,8 @@ class VLLMEngine:
         """-> [(token_ids, logprobs)] prompt-major, len(prompts) * n. EOS included when it stopped there;
         log-probs of the sampled tokens under the raw model distribution (vLLM's raw_logprobs)."""
         from vllm import SamplingParams
+        if self.asleep:   # level 2 discarded the weights; a request would wait for a wake that never comes
+            raise RuntimeError("the vLLM engine is asleep: push the weights (seed.push) before generating")
         if not prompt_ids_list:
             return []
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,

@@ -63,9 +63,10 @@ def main():
     rank_diff = 0.0
     if world > 1:   # rank 1's full parameters against rank 0's
         for k in sorted(after):
-            t = after[k].detach().cpu().contiguous().clone()
+            mine = after[k].detach().to(device)                  # NCCL broadcasts device tensors only
+            t = mine.contiguous().clone()
             dist.broadcast(t, src=0)
-            rank_diff = max(rank_diff, float((t - after[k].detach().cpu()).abs().max()))
+            rank_diff = max(rank_diff, float((t - mine).abs().max()))
         rank_diff = seed.all_max(rank_diff)
     if world > 1:   # the run checkpoint (HF folder + trainer state) written from the wrapped model
         import numpy as np
