@@ -72,6 +72,19 @@ def wait_quiet(max_load=2.5, max_wait_s=180, poll_s=60):
     return round(load, 2)
 
 
+def run_py(argv, log, tag="bench"):
+    """One child python process (a script and its flags) from the repository root, its output appended to
+    `log`; a failure stops the benchmark with the log's tail. -> wall seconds."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
+    print(f"[{tag}] {' '.join(argv)}  (log: {os.path.relpath(log, ROOT)})", flush=True)
+    t = time.perf_counter()
+    with open(log, "a") as f:
+        p = subprocess.run([PY, *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if p.returncode != 0:
+        sys.exit(f"{argv[0]} failed (exit {p.returncode}); last output:\n{open(log).read()[-3000:]}")
+    return time.perf_counter() - t
+
+
 def matmul_peak(dtype, n_max=2048, reps=5, budget_s=1.0):
     """Best-of-`reps` FLOP/s of torch.matmul on [n, n] x [n, n] in `dtype`, all torch threads, per second of
     wall time and per second of process CPU time (all threads together; robust to other processes taking

@@ -1,20 +1,37 @@
-"""SEED's cost over GRPO per update (Algorithm 1): seconds per phase, from seed.py's own timings
-(`sec/*` in runs/<name>/metrics.jsonl), for `--algo seed` and `--algo grpo` on the same config and seed,
-with the embedded model (SmolLM2-135M-Instruct) on generated ALFWorld games, and their ratio.
+"""SEED's cost over GRPO per update (Algorithm 1; Section 3.3's analysis and skill re-scoring are what SEED
+adds): seconds per phase from seed.py's own timings (`sec/*` in metrics.jsonl) for `--algo seed` and
+`--algo grpo`, with the embedded model (SmolLM2-135M-Instruct) on generated ALFWorld games, and their ratio.
 
-Each run is seed.py itself in a child process (`seed.main`), with its phase functions wrapped to also
-record each phase's peak resident memory (Linux VmHWM, reset before the phase). Both runs play the same
-tasks with the same sampling seed, so their first update collects the same episodes. The ratio counts the
-timed updates (the first is a warm-up when --updates > 1) and excludes engine start-up and evaluation.
+A shared machine is noisy (a busier minute made one run's phases 2-4x slower than the other's on the same
+work), so one pair of runs proves nothing. The two algorithms alternate instead, repeat after repeat in
+ABBA order (grpo seed | seed grpo | grpo seed ...). Every child run is seed.py itself (`seed.main` in a
+child process), one update from the same Stage-1 checkpoint with the same seed and tasks, so every run
+collects the same episodes and trains on the same rows: every repeat measures identical work. Reported:
+each phase's median over the repeats with its min-max, and three ratios of the medians:
+    shared-phase check   seed / grpo on the phases both run on the same rows (rollout, log-prob passes,
+                         update, weight push): 1 on a quiet machine
+    like for like        (grpo's update + seed's analysis + seed's re-scoring) / grpo's update
+    measured             seed's update / grpo's update
+When a shared phase (one of at least a tenth of grpo's update) or their sum differs by more than 15 %,
+the machine's noise is larger than what is measured: the run is noise-dominated and no ratio is headlined.
 
-    .venv/bin/python bench/update_cost.py                              # base model, small config
-    .venv/bin/python bench/update_cost.py --init runs/sft-alfworld --updates 2 -- --max_steps 8
-Arguments after `--` go to both seed.py runs unchanged.
+The checkpoint (`--init auto`): runs/demo-sft (what ./run.sh writes) when it is there, else the bench's own
+copy of that Stage 1 (.cache/bench/demo-sft: sft.py with the demo's flags and the scripted annotator, built
+once, a few minutes). From the base model (`--init ''`) no analysis parses, so SEED's re-scoring never
+runs and the ratio measures nothing of SEED.
+
+Each child also records each phase's peak resident memory (Linux VmHWM, reset before the phase) into
+<run>/bench_memory.json (bench/memory.py --validate reads it). Engine start-up is not in the update time.
+
+    .venv/bin/python bench/update_cost.py                        # 3 repeats of the demo config, ~15 min
+    .venv/bin/python bench/update_cost.py --repeats 5 --max_steps 8 -- --lr 1e-5
+Arguments after `--` go to every seed.py run unchanged.
 """
 import argparse
 import json
 import os
-import subprocess
+import shutil
+import statistics
 import sys
 import time
 
@@ -23,6 +40,15 @@ from bench import common  # noqa: E402
 
 PHASES = [("collect", "rollout"), ("analyze", "analysis"), ("logprobs", "log-prob passes (old + ref)"),
           ("rescore", "log-prob pass (skill context)"), ("update", "update (fwd+bwd+AdamW)"), ("push", "weight push")]
+SHARED = ("collect", "logprobs", "update", "push")   # the same work in both runs (same rows)
+ADDED = ("analyze", "rescore")                        # SEED's own phases
+NOISE_LIMIT = 0.15    # shared phases may differ by this share before a run is noise-dominated
+MIN_SHARE = 0.10      # ... counting each shared phase that is at least this share of grpo's update
+DEMO_SFT = os.path.join(common.ROOT, "runs", "demo-sft")      # ./run.sh's Stage 1
+BENCH_SFT = os.path.join(common.BENCH_CACHE, "demo-sft")       # the same Stage 1, built here when missing
+DEMO_SFT_FLAGS = ["--tasks", "4", "--k0", "2", "--max_steps", "4", "--history_length", "1", "--max_tokens", "64",
+                  "--analyzer_max_tokens", "192", "--epochs", "2", "--lr", "2e-4", "--batch_size", "2",
+                  "--micro_batch_size", "1"]                   # ./run.sh demo's sft.py flags
 
 
 # ----------------------------------------------------------------------------- the child: seed.py, instrumented
@@ -58,40 +84,94 @@ def child(run_dir, argv):
 
 # ----------------------------------------------------------------------------- the parent
 
-def run_algo(algo, args, extra):
-    run_dir = os.path.join(common.BENCH_CACHE, "runs", f"{args.name}-{algo}")
-    if os.path.exists(run_dir):
-        import shutil
-        shutil.rmtree(run_dir)
-    argv = ["--env", "alfworld", "--data_dir", common.games_dir(), "--algo", algo, "--init", args.init,
+def stage1_checkpoint(init):
+    """--init -> (checkpoint path or '', how it was chosen). 'auto': the demo's Stage 1, else the bench's copy,
+    built now when missing (sft.py, the demo's flags, the scripted annotator)."""
+    if init != "auto":
+        if init and not os.path.isfile(os.path.join(init, "config.json")):
+            sys.exit(f"--init {init} is not a checkpoint folder (no config.json); run sft.py (or ./run.sh) first, "
+                     f"or pass --init auto")
+        return init, ("given with --init" if init else
+                      "the base model, no SFT: no analysis parses, so SEED's re-scoring never runs")
+    for path, how in ((DEMO_SFT, "./run.sh's Stage 1"), (BENCH_SFT, "the bench's copy of ./run.sh's Stage 1")):
+        if os.path.isfile(os.path.join(path, "stage1.json")):
+            return path, how
+    print(f"[bench] no Stage-1 checkpoint (runs/demo-sft, written by ./run.sh, or {BENCH_SFT}): building "
+          f"{BENCH_SFT} with ./run.sh's Stage-1 flags (a few minutes, once)", flush=True)
+    os.makedirs(common.BENCH_CACHE, exist_ok=True)
+    sec = common.run_py(["sft.py", "--env", "alfworld", "--model", "smollm2-135m", "--out", BENCH_SFT,
+                         "--data_dir", common.games_dir(), *DEMO_SFT_FLAGS], BENCH_SFT + ".log")
+    return BENCH_SFT, f"the bench's copy of ./run.sh's Stage 1, built now in {sec:.0f} s"
+
+
+def seed_argv(algo, args, init, run_dir, extra):
+    return ["--env", "alfworld", "--data_dir", common.games_dir(), "--algo", algo, "--init", init,
             "--seed", str(args.seed), "--updates", str(args.updates), "--tasks_per_update", str(args.tasks),
             "--group_size", str(args.group_size), "--max_steps", str(args.max_steps),
-            "--max_tokens", str(args.max_tokens), "--analyzer_max_tokens", str(args.analyzer_max_tokens),
-            "--micro_batch_size", str(args.micro_batch), "--engine", args.engine, "--eval_every", "0",
-            "--save_every", "1000", "--out", run_dir, *extra]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
-    print(f"[bench] seed.py {' '.join(argv)}", flush=True)
-    t = time.perf_counter()
-    p = subprocess.run([common.PY, os.path.abspath(__file__), "--child", run_dir, "--", *argv], cwd=common.ROOT, env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - t
-    with open(os.path.join(run_dir, "bench_stdout.log"), "w") as f:
-        f.write(p.stdout)
-    if p.returncode != 0:
-        sys.exit(f"seed.py --algo {algo} failed (exit {p.returncode}); last output:\n{p.stdout[-3000:]}")
+            "--history_length", str(args.history_length), "--max_tokens", str(args.max_tokens),
+            "--analyzer_max_tokens", str(args.analyzer_max_tokens), "--micro_batch_size", str(args.micro_batch),
+            "--engine", args.engine, "--eval_every", "0", "--save_every", "1000", "--out", run_dir, *extra]
+
+
+def run_algo(algo, repeat, args, init, extra):
+    """One child seed.py run -> its phase seconds, metric lines, memory probes, wall time and starting load."""
+    run_dir = os.path.join(common.BENCH_CACHE, "runs", f"{args.name}-{algo}-r{repeat}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    load = round(os.getloadavg()[0], 2)
+    argv = seed_argv(algo, args, init, run_dir, extra)
+    wall = common.run_py([os.path.relpath(__file__, common.ROOT), "--child", run_dir, "--", *argv],
+                         os.path.join(run_dir, "bench_stdout.log"))
     lines = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if x.strip()]
+    sec, _ = phase_seconds(lines, args.updates > 1)
     mem = json.load(open(os.path.join(run_dir, "bench_memory.json")))
-    return {"lines": lines, "mem": mem, "wall": wall, "run_dir": run_dir}
+    return {"sec": sec, "lines": lines, "mem": mem, "wall": wall, "load": load, "argv": argv}
 
 
 def phase_seconds(lines, skip_first):
-    """Mean seconds per phase over the timed updates (sec/* from seed.py's metrics.jsonl)."""
+    """Mean seconds per phase over the timed updates (sec/* from seed.py's metrics.jsonl). -> (dict, count)."""
     timed = lines[1:] if skip_first and len(lines) > 1 else lines
     keys = [k for k, _ in PHASES] + ["total"]
     out = {k: sum(m.get(f"sec/{k}", 0.0) for m in timed) / len(timed) for k in keys}
     out["other"] = out["total"] - sum(out[k] for k, _ in PHASES)
     return out, len(timed)
 
+
+def order(repeats):
+    """ABBA: grpo seed | seed grpo | grpo seed ... (a drift of the machine's speed falls on both alike)."""
+    return [("grpo", "seed") if r % 2 == 0 else ("seed", "grpo") for r in range(repeats)]
+
+
+# ----------------------------------------------------------------------------- the numbers (pure functions)
+
+def summarize(reps):
+    """[{phase: s}] over repeats -> {phase: (median, min, max)}."""
+    return {k: (statistics.median(r[k] for r in reps), min(r[k] for r in reps), max(r[k] for r in reps))
+            for k in reps[0]}
+
+
+def ratios(g, s):
+    """grpo's and seed's {phase: s} (medians, or one repeat's) -> the shared-phase check (seed / grpo per
+    shared phase and summed), the like-for-like and measured ratios, and the shared phases off by > 15 %."""
+    shared = {k: s[k] / g[k] if g[k] else float("nan") for k in SHARED}
+    shared_sum = sum(s[k] for k in SHARED) / sum(g[k] for k in SHARED)
+    off = [k for k in SHARED if g[k] >= MIN_SHARE * g["total"] and abs(shared[k] - 1) > NOISE_LIMIT]
+    if abs(shared_sum - 1) > NOISE_LIMIT:
+        off.append("all shared")
+    return {"shared": shared, "shared_sum": shared_sum, "off": off, "noisy": bool(off),
+            "like_for_like": (g["total"] + sum(s[k] for k in ADDED)) / g["total"], "measured": s["total"] / g["total"]}
+
+
+def headline(r):
+    """The last line: the ratios, or why there is none."""
+    if r["noisy"]:
+        offs = ", ".join(f"{k} {r['shared'][k] if k in r['shared'] else r['shared_sum']:.2f}" for k in r["off"])
+        return (f"seed/grpo update time: none, the run is noise-dominated (shared phases seed/grpo on the same rows: "
+                f"{offs}; limit 1 +- {NOISE_LIMIT:.2f}); rerun on a quiet machine or with more --repeats")
+    return f"seed/grpo update time: {r['like_for_like']:.2f} like for like, {r['measured']:.2f} measured"
+
+
+# ----------------------------------------------------------------------------- main and the report
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -100,61 +180,91 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--init", default="", help="Stage-1 checkpoint for both runs ('' = the base model)")
-    ap.add_argument("--updates", type=int, default=1, help="updates per run (the first is skipped when > 1)")
+    ap.add_argument("--init", default="auto", help="Stage-1 checkpoint ('auto' = runs/demo-sft or the bench's "
+                                                   "copy, built when missing; '' = the base model)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating (grpo, seed) pairs; medians over them")
+    ap.add_argument("--updates", type=int, default=1, help="updates per run (the first is not timed when > 1)")
     ap.add_argument("--tasks", type=int, default=2, help="tasks per update (B)")
-    ap.add_argument("--group_size", type=int, default=4, help="episodes per task (N)")
+    ap.add_argument("--group_size", type=int, default=2, help="episodes per task (N)")
     ap.add_argument("--max_steps", type=int, default=4)
+    ap.add_argument("--history_length", type=int, default=1)
     ap.add_argument("--max_tokens", type=int, default=64, help="response tokens per turn")
-    ap.add_argument("--analyzer_max_tokens", type=int, default=128)
-    ap.add_argument("--micro_batch", type=int, default=8)
+    ap.add_argument("--analyzer_max_tokens", type=int, default=192, help="new tokens per analysis")
+    ap.add_argument("--micro_batch", type=int, default=2)
     ap.add_argument("--engine", default="vllm")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default="update_cost", help="run folders: .cache/bench/runs/<name>-<algo>")
-    ap.add_argument("--seed_first", action="store_true", help="run seed before grpo (to see order effects)")
+    ap.add_argument("--name", default="update_cost", help="run folders: .cache/bench/runs/<name>-<algo>-r<repeat>")
     ap.add_argument("--max_wait", type=int, default=180, help="seconds to wait for a quiet machine")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        sys.exit(f"--repeats must be 1 or more, got {args.repeats}")
 
+    t0 = time.perf_counter()
+    init, how = stage1_checkpoint(args.init)
     load = common.wait_quiet(max_wait_s=args.max_wait)
-    res = {algo: run_algo(algo, args, extra) for algo in (("seed", "grpo") if args.seed_first else ("grpo", "seed"))}
-    report(args, extra, load, res)
+    t1 = time.perf_counter()
+    res = {"grpo": [], "seed": []}
+    for r, pair in enumerate(order(args.repeats)):
+        for algo in pair:
+            res[algo].append(run_algo(algo, r, args, init, extra))
+    report(args, extra, init, how, load, res, time.perf_counter() - t1, time.perf_counter() - t0)
 
 
-def report(args, extra, load, res):
+def report(args, extra, init, how, load, res, wall_runs, wall_all):
     m = common.machine()
-    sec = {a: phase_seconds(r["lines"], args.updates > 1) for a, r in res.items()}
-    n_timed = sec["seed"][1]
-    last = res["seed"]["lines"][-1]
     print(f"\nmachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, vllm {m['vllm']}, "
           f"transformers {m['transformers']}; 1-min load at start {load}, now {m['load_1min']}")
-    print(f"config: alfworld (generated games), init {args.init or 'base model (no SFT)'}, B={args.tasks} x N={args.group_size}, "
-          f"max_steps {args.max_steps}, max_tokens {args.max_tokens}, analyzer_max_tokens {args.analyzer_max_tokens}, "
-          f"micro_batch {args.micro_batch}, engine {args.engine} {' '.join(extra)}; "
-          f"{n_timed} timed update(s) of {args.updates}")
-    for a, r in res.items():
-        l = r["lines"][-1]
-        skills = (f", skill rate {l.get('skill_rate', 0):.2f}, parse failures {l.get('parse_failure_rate', 0):.2f} "
-                  f"({l.get('first_try_failure_rate', 0):.2f} before retries)") if a == "seed" else ""
-        print(f"  {a}: rows {l.get('rows')}, tokens {l.get('tokens')}, mean length {l.get('length', 0):.2f}, "
-              f"success {l.get('success', 0):.2f}{skills}")
-    print("\n| phase | grpo s | seed s | seed - grpo s |\n|---|---|---|---|")
+    print(f"checkpoint: {init or 'base model'} ({how})")
+    print(f"config: alfworld (generated games), B={args.tasks} x N={args.group_size}, max_steps {args.max_steps}, "
+          f"history {args.history_length}, max_tokens {args.max_tokens}, analyzer_max_tokens "
+          f"{args.analyzer_max_tokens}, micro_batch {args.micro_batch}, engine {args.engine} {' '.join(extra)}; "
+          f"{args.updates} update(s) per run, {args.repeats} repeat(s) in ABBA order: "
+          + " | ".join(" ".join(p) for p in order(args.repeats)))
+    print(f"wall: {wall_all:.0f} s in all, {wall_runs:.0f} s for the {2 * args.repeats} runs "
+          f"(engine start-up included; update time only in the tables)")
+    work = {(x["lines"][-1].get("rows"), x["lines"][-1].get("tokens")) for a in res for x in res[a]}
+    print(f"same rows in every run: {'yes' if len(work) == 1 else 'NO'} (rows, response tokens: "
+          f"{', '.join(f'{w[0]}, {w[1]}' for w in sorted(work, key=str))})")
+    for x in res["seed"]:
+        l = x["lines"][-1]
+        print(f"  seed run: skill rate {l.get('skill_rate', 0):.2f}, parse failures {l.get('parse_failure_rate', 0):.2f}")
+    g = summarize([x["sec"] for x in res["grpo"]])
+    s = summarize([x["sec"] for x in res["seed"]])
+    print(f"\n| phase | grpo s, median (min-max) | seed s, median (min-max) | seed / grpo |\n|---|---|---|---|")
     for k, name in PHASES + [("other", "other (rows, advantages, records)"), ("total", "update total")]:
-        g, s = sec["grpo"][0][k], sec["seed"][0][k]
-        print(f"| {name} | {g:.1f} | {s:.1f} | {s - g:+.1f} |")
-    print("\npeak RSS per phase (MiB, last update):\n| phase | grpo | seed |\n|---|---|---|")
+        ratio = f"{s[k][0] / g[k][0]:.2f}" if g[k][0] > 0 else "-"
+        print(f"| {name} | {g[k][0]:.1f} ({g[k][1]:.1f}-{g[k][2]:.1f}) | {s[k][0]:.1f} ({s[k][1]:.1f}-{s[k][2]:.1f}) "
+              f"| {ratio} |")
+    print("\n| repeat | order | load at start (grpo, seed) | grpo total s | seed total s | shared seed/grpo "
+          "| like for like | measured |\n|---|---|---|---|---|---|---|---|")
+    per = []
+    for r, pair in enumerate(order(args.repeats)):
+        gr, sr = res["grpo"][r], res["seed"][r]
+        per.append(ratios(gr["sec"], sr["sec"]))
+        print(f"| {r} | {' '.join(pair)} | {gr['load']}, {sr['load']} | {gr['sec']['total']:.1f} | "
+              f"{sr['sec']['total']:.1f} | {per[-1]['shared_sum']:.2f} | {per[-1]['like_for_like']:.2f} | "
+              f"{per[-1]['measured']:.2f} |")
+    print("\npeak RSS per phase (MiB, last repeat):\n| phase | grpo | seed |\n|---|---|---|")
     for k, name in PHASES:
         row = []
         for a in ("grpo", "seed"):
-            seen = [x["peak_mb"] for x in res[a]["mem"] if x["phase"] == k]
+            seen = [x["peak_mb"] for x in res[a][-1]["mem"] if x["phase"] == k]
             row.append(f"{seen[-1]:.0f}" if seen else "-")
         print(f"| {name} | {row[0]} | {row[1]} |")
-    ratio = sec["seed"][0]["total"] / sec["grpo"][0]["total"]
-    g, s = sec["grpo"][0], sec["seed"][0]
-    extra = (g["total"] + s["analyze"] + s["rescore"]) / g["total"]
-    print(f"\nload-robust estimate (grpo's run plus only the phases SEED adds: analysis and skill re-scoring): "
-          f"{extra:.2f}")
-    print(f"seed/grpo update time: {ratio:.2f}")
-    return ratio, last
+    r = ratios({k: v[0] for k, v in g.items()}, {k: v[0] for k, v in s.items()})
+    span = lambda key: f"repeats {min(p[key] for p in per):.2f}-{max(p[key] for p in per):.2f}"  # noqa: E731
+    print(f"\nshared-phase check (seed / grpo on the same rows, medians; limit 1 +- {NOISE_LIMIT:.2f}): "
+          + ", ".join(f"{name} {r['shared'][k]:.2f}" for k, name in PHASES if k in SHARED)
+          + f"; all shared {r['shared_sum']:.2f} ({span('shared_sum')})")
+    print(f"like for like ((grpo's update + seed's analysis + seed's re-scoring) / grpo's update): "
+          f"{r['like_for_like']:.2f} ({span('like_for_like')})")
+    print(f"measured (seed's update / grpo's update): {r['measured']:.2f} ({span('measured')})")
+    if s["rescore"][0] == 0:
+        print("note: seed's re-scoring did not run (no analysis parsed): the ratio measures nothing of SEED's "
+              "re-scoring; start from a Stage-1 checkpoint (--init auto)")
+    print(f"verdict: {'NOISE-DOMINATED' if r['noisy'] else 'shared phases within 15 %: the ratios hold'}")
+    print(headline(r))
+    return r
 
 
 if __name__ == "__main__":
