@@ -1,4 +1,4 @@
-"""Multi-turn rollouts of many environments at once (Algorithm 1, "collect"; Section 3.1).
+"""Multi-turn rollouts of many environments at once (Stage 2, Section 3.3; Algorithm 1 "collect", Appendix B.3).
 
 The frozen snapshot pi_old plays N episodes of each of B tasks. All live episodes advance together:
 one engine `generate` call per turn for every episode still running. The engine is vLLM in process

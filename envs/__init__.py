@@ -1,4 +1,4 @@
-"""The paper's benchmarks (Section 5.1) as gymnasium environments with text observations.
+"""The paper's benchmarks (Section 4.1) as gymnasium environments with text observations.
 
 Every env follows one small contract, which `rollout.py` and `analyzer.py` rely on:
 

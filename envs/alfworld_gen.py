@@ -1,4 +1,4 @@
-"""Offline ALFWorld game generator (the ALFWorld setting of Section 5.1 without the download).
+"""Offline ALFWorld game generator (the ALFWorld setting of Section 4.1 without the download).
 
 Writes new games in the official layout, `<out>/json_2.1.1/<split>/<task>-<Obj>-None-<Recep>-<scene>/<trial>/`
 with `initial_state.pddl`, `traj_data.json` and `game.tw-pddl`, for the six task families. A game is

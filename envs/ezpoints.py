@@ -1,4 +1,4 @@
-"""EZPoints (Section 5.1; gym_cards' "EZPoints" as used by verl-agent/GiGPO, text version).
+"""EZPoints (Section 4.1; gym_cards' "EZPoints" as used by verl-agent/GiGPO, text version).
 
 Two playing cards are dealt; the agent writes an arithmetic expression that equals 12, using each
 card's value exactly once, one token per step: a card value, an operator (+ - * /) or `=`. J, Q and

@@ -1,4 +1,4 @@
-"""WebShop (Section 5.1; Yao et al. 2022) through the official text environment.
+"""WebShop (Section 4.1; Yao et al. 2022) through the official text environment.
 
 This is an adapter: the shop itself (1.18M scraped Amazon products, 12k human instructions, the
 search engine and the reward that scores the bought product against the instruction) is the official
