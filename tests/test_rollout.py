@@ -190,27 +190,8 @@ def test_evaluate_metrics(tokenizer):
     assert m["length"] == pytest.approx((1 + 8 * 4) / 9)
 
 
-def test_two_ranks_sample_different_episodes(tmp_path):
-    """torchrun, 2 ranks, gloo, one in-process vLLM engine per rank, same base seed."""
-    out = tmp_path / "ranks.json"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = REPO
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           os.path.join(REPO, "tests", "rollout_ranks.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = json.loads(out.read_text())
-    assert [r["rank"] for r in ranks] == [0, 1]
-    assert all(r["groups"] == [0, 0, 1, 1] for r in ranks)
-    assert all(all(all(ok) for ok in r["lengths"]) for r in ranks)
-    assert ranks[0]["texts"] != ranks[1]["texts"]
-
-
 def _torchrun(script, out):
+    """Run tests/<script> <out> under torchrun, 2 ranks on a free port, outside any outer torchrun."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -220,6 +201,18 @@ def _torchrun(script, out):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            os.path.join(REPO, "tests", script), str(out)]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_two_ranks_sample_different_episodes(tmp_path):
+    """torchrun, 2 ranks, gloo, one in-process vLLM engine per rank, same base seed."""
+    out = tmp_path / "ranks.json"
+    proc = _torchrun("rollout_ranks.py", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["groups"] == [0, 0, 1, 1] for r in ranks)
+    assert all(all(all(ok) for ok in r["lengths"]) for r in ranks)
+    assert ranks[0]["texts"] != ranks[1]["texts"]
 
 
 def test_fsdp2_streamed_push_keeps_each_engine_in_sync(tmp_path):
