@@ -232,7 +232,7 @@ def report(args, extra, init, how, load, res, wall_runs, wall_all):
     s = summarize([x["sec"] for x in res["seed"]])
     print(f"\n| phase | grpo s, median (min-max) | seed s, median (min-max) | seed / grpo |\n|---|---|---|---|")
     for k, name in PHASES + [("other", "other (rows, advantages, records)"), ("total", "update total")]:
-        ratio = f"{s[k][0] / g[k][0]:.2f}" if g[k][0] > 0 else "-"
+        ratio = f"{s[k][0] / g[k][0]:.2f}" if k not in ADDED and g[k][0] > 0 else "-"
         print(f"| {name} | {g[k][0]:.1f} ({g[k][1]:.1f}-{g[k][2]:.1f}) | {s[k][0]:.1f} ({s[k][1]:.1f}-{s[k][2]:.1f}) "
               f"| {ratio} |")
     print("\n| repeat | order | load at start (grpo, seed) | grpo total s | seed total s | shared seed/grpo "
@@ -262,7 +262,8 @@ def report(args, extra, init, how, load, res, wall_runs, wall_all):
     if s["rescore"][0] == 0:
         print("note: seed's re-scoring did not run (no analysis parsed): the ratio measures nothing of SEED's "
               "re-scoring; start from a Stage-1 checkpoint (--init auto)")
-    print(f"verdict: {'NOISE-DOMINATED' if r['noisy'] else 'shared phases within 15 %: the ratios hold'}")
+    print(f"verdict: NOISE-DOMINATED (shared phases on the same rows differ by more than {NOISE_LIMIT:.0%})" if r["noisy"]
+          else f"verdict: the shared phases agree within {NOISE_LIMIT:.0%} on the same rows: the ratios hold")
     print(headline(r))
     return r
 
