@@ -23,7 +23,7 @@ runs and the ratio measures nothing of SEED.
 Each child also records each phase's peak resident memory (Linux VmHWM, reset before the phase) into
 <run>/bench_memory.json (bench/memory.py --validate reads it). Engine start-up is not in the update time.
 
-    .venv/bin/python bench/update_cost.py                        # 3 repeats of the demo config, ~15 min
+    .venv/bin/python bench/update_cost.py            # 3 repeats of the demo config: 11 min on 2 idle cores
     .venv/bin/python bench/update_cost.py --repeats 5 --max_steps 8 -- --lr 1e-5
 Arguments after `--` go to every seed.py run unchanged.
 """
@@ -217,7 +217,7 @@ def report(args, extra, init, how, load, res, wall_runs, wall_all):
     print(f"checkpoint: {init or 'base model'} ({how})")
     print(f"config: alfworld (generated games), B={args.tasks} x N={args.group_size}, max_steps {args.max_steps}, "
           f"history {args.history_length}, max_tokens {args.max_tokens}, analyzer_max_tokens "
-          f"{args.analyzer_max_tokens}, micro_batch {args.micro_batch}, engine {args.engine} {' '.join(extra)}; "
+          f"{args.analyzer_max_tokens}, micro_batch {args.micro_batch}, engine {args.engine}{''.join(' ' + x for x in extra)}; "
           f"{args.updates} update(s) per run, {args.repeats} repeat(s) in ABBA order: "
           + " | ".join(" ".join(p) for p in order(args.repeats)))
     print(f"wall: {wall_all:.0f} s in all, {wall_runs:.0f} s for the {2 * args.repeats} runs "
@@ -228,6 +228,11 @@ def report(args, extra, init, how, load, res, wall_runs, wall_all):
     for x in res["seed"]:
         l = x["lines"][-1]
         print(f"  seed run: skill rate {l.get('skill_rate', 0):.2f}, parse failures {l.get('parse_failure_rate', 0):.2f}")
+    return conclusions(*tables(args, res))
+
+
+def tables(args, res):
+    """Per-phase medians (min-max), per-repeat ratios, peak RSS. -> (grpo summary, seed summary, per-repeat ratios)."""
     g = summarize([x["sec"] for x in res["grpo"]])
     s = summarize([x["sec"] for x in res["seed"]])
     print(f"\n| phase | grpo s, median (min-max) | seed s, median (min-max) | seed / grpo |\n|---|---|---|---|")
@@ -251,6 +256,11 @@ def report(args, extra, init, how, load, res, wall_runs, wall_all):
             seen = [x["peak_mb"] for x in res[a][-1]["mem"] if x["phase"] == k]
             row.append(f"{seen[-1]:.0f}" if seen else "-")
         print(f"| {name} | {row[0]} | {row[1]} |")
+    return g, s, per
+
+
+def conclusions(g, s, per):
+    """The shared-phase check, the like-for-like and measured ratios of the medians, the verdict, the headline."""
     r = ratios({k: v[0] for k, v in g.items()}, {k: v[0] for k, v in s.items()})
     span = lambda key: f"repeats {min(p[key] for p in per):.2f}-{max(p[key] for p in per):.2f}"  # noqa: E731
     print(f"\nshared-phase check (seed / grpo on the same rows, medians; limit 1 +- {NOISE_LIMIT:.2f}): "
