@@ -20,9 +20,7 @@ Arguments after `--` go to every seed.py run unchanged.
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -70,18 +68,6 @@ def parse_args(argv):
 
 # ----------------------------------------------------------------------------- building and running
 
-def sh(argv, log):
-    """One child process (sft.py or seed.py) from the repository root, its output appended to `log`."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
-    print(f"[learning] {' '.join(argv)}  (log: {log})", flush=True)
-    t = time.time()
-    with open(log, "a") as f:
-        p = subprocess.run([common.PY, *argv], cwd=common.ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    if p.returncode != 0:
-        sys.exit(f"{argv[0]} failed (exit {p.returncode}); last output:\n{open(log).read()[-3000:]}")
-    return time.time() - t
-
-
 def checkpoints(args, cache):
     """The warm start and the Stage-1 checkpoint every run starts from (built once into the cache)."""
     common_env = ["--env", args.env, "--max_steps", str(args.max_steps), "--history_length", str(args.history_length),
@@ -95,12 +81,12 @@ def checkpoints(args, cache):
             sys.exit(f"{path} is not a checkpoint folder (no config.json)")
     if not args.stage1 and not os.path.isfile(os.path.join(stage1, "stage1.json")):
         if not args.warmup and not os.path.isfile(os.path.join(warm, "warmup.json")):
-            sh(["sft.py", "--stage", "warmup", *common_env, "--out", warm, "--tasks", str(args.warmup_tasks),
-                "--val_fraction", "0.1", "--epochs", "1", "--lr", str(args.warmup_lr), "--batch_size", "8",
-                "--micro_batch_size", "4"], os.path.join(cache, "warmup.log"))
-        sh(["sft.py", *common_env, "--model", warm, "--out", stage1, "--tasks", str(args.stage1_tasks),
-            "--k0", str(args.stage1_k0), "--epochs", "2", "--lr", str(args.stage1_lr), "--batch_size", "8",
-            "--micro_batch_size", "2"], os.path.join(cache, "stage1.log"))
+            common.run_py(["sft.py", "--stage", "warmup", *common_env, "--out", warm, "--tasks", str(args.warmup_tasks),
+                           "--val_fraction", "0.1", "--epochs", "1", "--lr", str(args.warmup_lr), "--batch_size", "8",
+                           "--micro_batch_size", "4"], os.path.join(cache, "warmup.log"), "learning")
+        common.run_py(["sft.py", *common_env, "--model", warm, "--out", stage1, "--tasks", str(args.stage1_tasks),
+                       "--k0", str(args.stage1_k0), "--epochs", "2", "--lr", str(args.stage1_lr), "--batch_size", "8",
+                       "--micro_batch_size", "2"], os.path.join(cache, "stage1.log"), "learning")
     return warm, stage1
 
 
@@ -135,8 +121,8 @@ def run_all(args, cache, shared):
                 print(f"[learning] {algo} seed {s}: done, skipped", flush=True)
                 continue
             os.makedirs(run_dir, exist_ok=True)
-            wall = sh(["seed.py", *shared, "--algo", algo, "--seed", str(s), "--out", run_dir, "--resume"],
-                      os.path.join(run_dir, "bench_stdout.log"))
+            wall = common.run_py(["seed.py", *shared, "--algo", algo, "--seed", str(s), "--out", run_dir, "--resume"],
+                                 os.path.join(run_dir, "bench_stdout.log"), "learning")
             print(f"[learning] {algo} seed {s}: {wall:.0f} s", flush=True)
 
 
