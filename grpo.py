@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+import vision
+
 
 # ----------------------------------------------------------------------------- log-probs of a batch
 
@@ -35,7 +37,8 @@ def response_logprobs(model, prompts, responses, pad_id, grad=False, entropy=Fal
     yields the final hidden states; the LM head then runs on chunks of the R response positions,
     so vocab-sized float32 logits exist for one chunk at a time (LOGITS_CHUNK_BYTES), never for
     [rows, R, V] at once. With grad, each chunk is checkpointed: its logits are recomputed in the
-    backward instead of kept.
+    backward instead of kept. Rows whose prompt is a vision.ImagePrompt bring their images: the batch's
+    pixel values and image grids go into the same forward (Appendix C.3's visual agents).
     -> (logp [rows, R], mask [rows, R], ent [rows, R] or None); zeros where mask == 0.
     """
     if len(prompts) != len(responses) or not prompts:
@@ -58,11 +61,16 @@ def response_logprobs(model, prompts, responses, pad_id, grad=False, entropy=Fal
     lens = torch.tensor([len(r) for r in responses], device=dev)
     mask = (torch.arange(R, device=dev)[None, :] < lens[:, None]).float()   # [rows, R]
     base = getattr(model, "module", model)                          # DDP keeps the model in .module
+    visual = vision.pixel_inputs(prompts, dev)                      # {} unless rows carry images
+    if visual:   # a VL model builds its 3-D rotary positions from the ids, image grids and mask itself
+        pos = None
+        visual["mm_token_type_ids"] = (ids == base.config.image_token_id).int()   # [rows, P+R]
     head, seen = base.get_output_embeddings(), []
     hook = base.get_decoder().register_forward_hook(lambda m, i, o: seen.append(o[0]))
     try:
         with torch.set_grad_enabled(grad):
-            model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1, use_cache=False)
+            model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1, use_cache=False,
+                  **visual)
     finally:
         hook.remove()
     hidden = seen[-1][:, P - 1:P + R - 1]                           # [rows, R, H]: position P-1+k predicts token k

@@ -24,6 +24,7 @@ import torch
 import envs
 import grpo
 import rollout
+import vision
 
 
 def gates(lp_skill, lp, beta=5.0):
@@ -63,8 +64,12 @@ def rlsd_weights(lp, lp_skill, adv, eps=0.2, strength=1.0):
 
 
 def skill_prompt_ids(tokenizer, step, skill, env_name):
-    """The skill-augmented context h~ of one step, as chat token ids (through `rollout.chat_ids`)."""
-    return rollout.chat_ids(tokenizer, envs.insert_skill(step.prompt_text, skill, env_name))
+    """The skill-augmented context h~ of one step, as chat token ids (through `rollout.chat_ids`). A visual
+    step (its prompt_ids a vision.ImagePrompt) keeps its images; the skill is text, inserted the same way."""
+    text = envs.insert_skill(step.prompt_text, skill, env_name)
+    if getattr(step.prompt_ids, "images", None):
+        return vision.encode(vision.load_processor(step.prompt_ids.source), text, step.prompt_ids.images)
+    return rollout.chat_ids(tokenizer, text)
 
 
 @torch.no_grad()
@@ -81,7 +86,7 @@ def rescore(model, tokenizer, rows, skills, env_names, micro_batch=8):
     if len(skills) != len(rows):
         raise ValueError(f"need one skill (or None) per row: {len(rows)} rows, {len(skills)} skills")
     names = [env_names] * len(rows) if isinstance(env_names, str) else list(env_names)
-    prompts = [skill_prompt_ids(tokenizer, s, k, n) if k else list(s.prompt_ids)
+    prompts = [skill_prompt_ids(tokenizer, s, k, n) if k else s.prompt_ids   # an ImagePrompt keeps its images
                for s, k, n in zip(rows, skills, names)]
     responses = [list(s.response_ids) for s in rows]
     R = max((len(r) for r in responses), default=0)

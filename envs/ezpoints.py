@@ -14,6 +14,10 @@ is missing) must contain exactly one of the tokens 1-10, +, * and = ("10" is rea
 response executes nothing: the formula stays as it is, the step counts. A valid token that cannot be used
 (a number that is not an unused card value) also leaves the formula unchanged, as their env does.
 The operators are + and * as theirs (with two cards 12 is never a difference or a quotient).
+
+With `image=True` (Appendix C.3's visual agents) the cards are an image drawn here (`render_cards`: rank and
+suit on each card, the formula written below, 300 x 300 as gym_cards' canvas); the prompt names no card
+and keeps the formula so far as text, as the authors' visual template does.
 """
 import itertools
 from fractions import Fraction
@@ -123,6 +127,52 @@ def parse_action(text):
     return found.pop() if len(found) == 1 else None
 
 
+# ----------------------------------------------------------------------------- image (Appendix C.3)
+
+FELT, RED, BLACK = (53, 101, 77), (200, 30, 30), (20, 20, 20)   # gym_cards' table green '#35654d'
+
+
+def draw_suit(draw, suit, cx, cy, r, colour):
+    """A suit symbol of radius ~r centred at (cx, cy), from circles and polygons."""
+    if suit == "diamonds":
+        draw.polygon([(cx, cy - r), (cx + 0.7 * r, cy), (cx, cy + r), (cx - 0.7 * r, cy)], fill=colour)
+        return
+    if suit == "clubs":
+        for dx, dy in ((0, -0.45), (-0.5, 0.15), (0.5, 0.15)):
+            x, y = cx + dx * r, cy + dy * r
+            draw.ellipse([x - 0.45 * r, y - 0.45 * r, x + 0.45 * r, y + 0.45 * r], fill=colour)
+    else:   # hearts: two lobes over a point; spades: the same upside down
+        s = 1 if suit == "hearts" else -1
+        for dx in (-0.45, 0.45):
+            x, y = cx + dx * r, cy - s * 0.3 * r
+            draw.ellipse([x - 0.5 * r, y - 0.5 * r, x + 0.5 * r, y + 0.5 * r], fill=colour)
+        draw.polygon([(cx - 0.95 * r, cy - s * 0.15 * r), (cx + 0.95 * r, cy - s * 0.15 * r), (cx, cy + s * r)],
+                     fill=colour)
+    if suit in ("clubs", "spades"):
+        draw.polygon([(cx, cy), (cx - 0.35 * r, cy + r), (cx + 0.35 * r, cy + r)], fill=colour)
+
+
+def render_cards(cards, formula, size=300):
+    """-> uint8 image [size, size, 3]: the two cards side by side on a green table (5:7 cards of 0.45 x the
+    width, as gym_cards lays them out), each with its rank in the corners and a large suit symbol, and
+    "Formula: ..." written below."""
+    from PIL import Image, ImageDraw, ImageFont
+    canvas = Image.new("RGB", (size, size), FELT)
+    draw = ImageDraw.Draw(canvas)
+    w = int(size / len(cards) * 0.9)
+    h = int(w * 7 / 5)
+    big, small = ImageFont.load_default(size=w // 4), ImageFont.load_default(size=size // 15)
+    for i, (rank, suit) in enumerate(cards):
+        x, y = 5 + int(i * w * 1.1), (size - h) // 2
+        colour = RED if suit in ("hearts", "diamonds") else BLACK
+        draw.rounded_rectangle([x, y, x + w, y + h], radius=w // 12, fill=(255, 255, 255), outline=BLACK)
+        draw.text((x + w // 14, y + w // 20), rank, fill=colour, font=big)
+        draw.text((x + w - w // 14, y + h - w // 20), rank, fill=colour, font=big, anchor="rb")
+        draw_suit(draw, suit, x + w / 2, y + h / 2 + w / 12, w / 4, colour)
+    draw.text((10, int(size * 0.86)), "Formula: " + " ".join(formula), fill=(255, 255, 255), font=small)
+    return np.asarray(canvas, dtype=np.uint8)
+
+
 # ----------------------------------------------------------------------------- env
 
 def card_name(card):
@@ -142,11 +192,12 @@ class EZPointsEnv(gym.Env):
     reward_scale = 10.0
     invalid_penalty = 0.1
 
-    def __init__(self, max_steps=5, history_length=2, split="train"):
+    def __init__(self, max_steps=5, history_length=2, split="train", image=False):
         if split not in SPLIT_ORDER:
             raise ValueError(f"unknown ezpoints split {split!r}; choose one of {', '.join(SPLIT_ORDER)}")
         self.order = np.random.default_rng(SPLIT_ORDER[split]).permutation(len(TASKS))
         self.split, self.max_steps, self.history_length = split, max_steps, history_length
+        self.image = image
         self.num_tasks = len(TASKS)
         self.family = "ezpoints"
         self.task = ""
@@ -161,6 +212,8 @@ class EZPointsEnv(gym.Env):
         self.values = [RANK_VALUE[r] for r, _ in self.cards]
         self.task = (f"write a formula that equals {TARGET} using the values of the cards "
                      f"{card_name(self.cards[0])} and {card_name(self.cards[1])}, each exactly once.")
+        if self.image:   # the agent reads the cards from the image, as the authors' visual EZPoints
+            self.task = f"write a formula that equals {TARGET} using the values of the two cards in the image, each exactly once."
         self.formula, self.steps, self.done = [], 0, False
         self.obs = self._observation()
         plan = solutions(self.values)[0] + ["="]
@@ -211,9 +264,15 @@ class EZPointsEnv(gym.Env):
         return False, f"Wrong: it equals {value}, not {TARGET}."
 
     def _observation(self):
-        cards = ", ".join(f"{card_name(c)} (value {v})" for c, v in zip(self.cards, self.values))
         formula = " ".join(self.formula) if self.formula else "(empty)"
+        if self.image:
+            return f"Cards: {envs.IMAGE} Formula so far: {formula}"
+        cards = ", ".join(f"{card_name(c)} (value {v})" for c, v in zip(self.cards, self.values))
         return f"Cards: {cards}. Formula so far: {formula}"
+
+    def prompt_images(self):
+        """Image mode: the images the prompt's IMAGE markers stand for (the two cards and the formula)."""
+        return [render_cards(self.cards, self.formula)]
 
     # -- contract extras
     def expert_action(self):

@@ -9,7 +9,8 @@ construction; a breadth-first solver over (player, box) states confirms it, give
 `max_steps` moves are redrawn. gym-sokoban itself no longer runs on numpy 2 / current gymnasium, so
 the generator is written here.
 
-Observation: a text grid with a legend. Actions: up, down, left, right, one per turn inside
+Observation: a text grid with a legend, or with `image=True` (Appendix C.3's visual agents) the board as an
+RGB image of 16 px per cell (96 x 96, gym-sokoban's rgb_array size; flat colours instead of sprites). Actions: up, down, left, right, one per turn inside
 <action></action>. Reward 10 when the box lands on the target (the episode ends there).
 Validity and what is executed follow the authors' Sokoban projection (env_package/sokoban/projection.py
 at 2cf2fad): the first of up, down, left, right, still that occurs in the lower-cased text between the
@@ -43,6 +44,8 @@ COLORS = {"wall": (0, 0, 0), "floor": (243, 248, 238), "target": (254, 126, 125)
           "player_on_target": (219, 212, 56)}   # gym-sokoban's tiny-world palette
 LEGEND = ("Symbols: # wall, _ floor, O target, X box, \u221a box on the target, P you, "
           "S you standing on the target.")
+IMAGE_LEGEND = ("Colours in the image: black wall, off-white floor, pink target, brown box, orange box on the "
+                "target, green you, yellow you standing on the target.")
 
 
 # ----------------------------------------------------------------------------- generation
@@ -257,10 +260,17 @@ class SokobanEnv(gym.Env):
         plan = solve(self.room["walls"], self.player, self.box, self.room["target"])
         return plan[0] if plan else None
 
+    def prompt_images(self):
+        """Image mode: the images the prompt's IMAGE markers stand for (the current board)."""
+        return [render_rgb(self.room["walls"], self.room["target"], self.box, self.player)]
+
     def prompt(self):
         """The authors' Sokoban template structure: role, symbols, goal, rules; then at the first step the
         board, later the steps taken, the last `history_length` board/move pairs and the current step and
-        board; the admissible moves; the turn instruction with the format rules."""
+        board; the admissible moves; the turn instruction with the format rules. Image mode: their visual
+        template instead, the current board as an image and no history (`_visual_prompt`)."""
+        if self.image:
+            return self._visual_prompt()
         lines = [
             f"You are an expert agent playing Sokoban on a {self.dim}x{self.dim} grid.",
             LEGEND,
@@ -280,3 +290,21 @@ class SokobanEnv(gym.Env):
                      "about where the box and the target are and how to avoid traps; then give exactly one "
                      "action inside <action> </action>, for example <action>left</action>.")
         return "\n".join(lines)
+
+    def _visual_prompt(self):
+        """The authors' SOKOBAN_VISUAL_TEMPLATE structure (prompts/sokoban.py at 2cf2fad): role, goal, rules,
+        what the image's colours mean, the current board as an image, the admissible moves, the turn
+        instruction. Like theirs it shows no history: the board is the state."""
+        return "\n".join([
+            f"You are an expert agent playing Sokoban on a {self.dim}x{self.dim} grid, shown as an image.",
+            f"{envs.task_line(self.name)} {self.task}",
+            "Rules: each action moves you one cell. Walking into the box pushes it one cell if the "
+            "cell behind it is free; you cannot pull it, so avoid pushing it into a corner or "
+            "against a wall away from the target.",
+            IMAGE_LEGEND,
+            f"You are now at step {self.steps + 1}. Current observation: {envs.IMAGE}",
+            f"Your admissible actions are: {', '.join(ACTIONS)}.",
+            "Now it's your turn to make one move. First think step by step inside <think> </think> "
+            "about where the box and the target are and how to avoid traps; then give exactly one "
+            "action inside <action> </action>, for example <action>left</action>.",
+        ])

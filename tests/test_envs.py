@@ -127,7 +127,8 @@ def test_sokoban_rules_hostile_truncation_and_image():
     env = sokoban.SokobanEnv(image=True)
     obs, info = env.reset(seed=3)
     assert info["image"].dtype == np.uint8 and info["image"].shape == (96, 96, 3)
-    assert "Symbols:" in env.prompt() and "up, down, left, right" in env.prompt()
+    assert "Colours in the image" in env.prompt() and "up, down, left, right" in env.prompt()
+    assert env.prompt().count("<image>") == 1 and (env.prompt_images()[0] == info["image"]).all()
     assert_survives_hostile(env, seed=3)
     env.reset(seed=3)
     for i in range(15):
