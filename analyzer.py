@@ -11,6 +11,8 @@ env's own expert plan and the failure it saw. Both stages read the same prompt (
 episode, trimmed only beyond the analyzer's own token budget), so a Stage-1 example is what Stage 2 asks.
 `insert_skill` puts a skill into an actor prompt (re-scoring, the skill_grpo and skill_prompt baselines);
 `SkillLibrary` keeps Stage-1 skills for the baselines that retrieve a skill instead of analyzing live.
+A visual episode (Appendix C.3) is analyzed with its images: each step's observation is its image, and the
+prompt carries as many of them as the analyzer's token budget holds (`prompt_ids`).
 """
 import json
 import os
@@ -21,7 +23,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import rollout
-from envs import insert_skill  # noqa: F401  (lives beside the env prompts; analyzer.insert_skill for callers)
+import vision
+from envs import IMAGE, insert_skill  # noqa: F401  (insert_skill lives beside the env prompts; analyzer.insert_skill for callers)
+from runfolder import fail
 
 SYSTEM = ("You are an expert coach for an AI agent. You read one finished episode of the agent and write a "
           "short, reusable skill that will help the agent on similar tasks. You answer with JSON only.")
@@ -41,12 +45,21 @@ def _outcome(ep):
     return f"FAILURE: the task was not completed after {ep.length} steps (reward {ep.reward:g})."
 
 
+def step_images(ep):
+    """A visual episode's observation images, one per step (the image of the step's prompt, PNG bytes);
+    [] for a text episode."""
+    return [s.prompt_ids.images[-1] for s in ep.steps if getattr(s.prompt_ids, "images", None)]
+
+
 def _render_steps(ep, obs_keep, resp_cap):
-    """The trajectory block; observations of steps before `obs_keep` are trimmed, responses capped."""
-    lines = []
+    """The trajectory block; observations of steps before `obs_keep` are trimmed, responses capped. A visual
+    episode shows each observation as its image (an IMAGE marker, as the authors' seed_visual prompt)."""
+    lines, visual = [], bool(step_images(ep))
     for t, s in enumerate(ep.steps):
-        obs = s.observation if t >= obs_keep else "[older observation trimmed]"
+        obs = (IMAGE if visual else s.observation) if t >= obs_keep else "[older observation trimmed]"
         resp, act = (x if len(x) <= resp_cap else x[:resp_cap] + " [...]" for x in (s.response_text, s.action))
+        if visual:   # a marker the agent wrote is text, not an image
+            resp, act = resp.replace(IMAGE, "[image]"), act.replace(IMAGE, "[image]")
         valid = (f"valid, executed: {act}" if s.valid else
                  f"INVALID (the response broke the required format), executed: {act or 'nothing'}")
         lines += [f"## Step {t + 1}", f"Observation: {obs}", f"Agent response: {resp}", f"Action: {valid}", ""]
@@ -155,7 +168,7 @@ def fit_prompt(episode, tokenizer, max_prompt_tokens):
     msgs = analysis_prompt(episode)
     chars = len(msgs[1]["content"])
     for _ in range(8):
-        n = len(rollout.chat_ids(tokenizer, msgs))
+        n = len(prompt_ids(episode, tokenizer, msgs))
         if n <= max_prompt_tokens:
             break
         chars = int(chars * max_prompt_tokens / n * 0.95)
@@ -163,10 +176,38 @@ def fit_prompt(episode, tokenizer, max_prompt_tokens):
     return msgs
 
 
+def prompt_ids(episode, tokenizer, msgs):
+    """The chat ids of an analysis conversation; for a visual episode an ImagePrompt with the images its
+    markers show (the most recent steps': trimming drops the oldest observations first)."""
+    images = step_images(episode)
+    if not images:
+        return rollout.chat_ids(tokenizer, msgs)
+    shown = sum(m["content"].count(IMAGE) for m in msgs)
+    return vision.encode(vision.load_processor(tokenizer.name_or_path), msgs, images[len(images) - shown:])
+
+
 def answer_room(max_tokens, retries):
     """Context an analysis needs beyond its prompt: the answer, plus per corrective retry the bad answer kept
     in the conversation, the corrective message (< 96 tokens) and a new answer."""
     return (retries + 1) * max_tokens + 96 * retries
+
+
+def analysis_budget(model_path, max_prompt_tokens, max_tokens, retries=0):
+    """-> (the analyzer's prompt budget, the context one analysis needs: that budget + answer_room).
+    The model's own context (config.max_position_embeddings; 8192 for the embedded SmolLM2-135M) caps it:
+    vLLM refuses a longer max_model_len, so the prompt budget shrinks to fit, with a notice."""
+    from transformers import AutoConfig
+    limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    room = answer_room(max_tokens, retries)
+    if limit and max_prompt_tokens + room > limit:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"[analyzer] the model's context is {limit} tokens: the analyzer's prompt budget is "
+                  f"{limit - room} (asked {max_prompt_tokens}, plus {room} for its answers)", flush=True)
+        max_prompt_tokens = limit - room
+    if max_prompt_tokens < 256:
+        fail(f"the analyzer's answers ({room} tokens) leave {max_prompt_tokens} of the model's context for the "
+             f"episode; lower --analyzer_max_tokens or --analyzer_retries")
+    return max_prompt_tokens, max_prompt_tokens + room
 
 
 def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_tokens=None):
@@ -190,7 +231,7 @@ def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_
     for attempt in range(retries + 1):
         if not pending:
             break
-        outs = engine.generate([rollout.chat_ids(tokenizer, convs[i]) for i in pending],
+        outs = engine.generate([prompt_ids(episodes[i], tokenizer, convs[i]) for i in pending],
                                temperature=0.0, max_tokens=max_tokens, n=1)
         calls += 1
         still = []
@@ -200,6 +241,8 @@ def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_
             if parsed:
                 episodes[i].summary, episodes[i].skill = parsed["episode_summary"], parsed["episode_skill"]
             else:
+                if step_images(episodes[i]):
+                    text = text.replace(IMAGE, "[image]")   # kept in the conversation as text
                 convs[i] = convs[i] + [{"role": "assistant", "content": text},
                                        {"role": "user", "content": CORRECTION.format(why=why)}]
                 still.append(i)

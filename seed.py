@@ -76,6 +76,7 @@ class Config:
     group_size: int = 8                # N: episodes per task (a GRPO group)
     max_steps: int = 30                # env steps per episode
     history_length: int = 5            # past (observation, action) pairs in the actor prompt
+    image: bool = False                # image observations for a vision-language model (sokoban, ezpoints; Appendix C.3)
     max_prompt_tokens: int = 2048      # longest actor prompt the engine accepts (its context = this + max_tokens)
     max_tokens: int = 512              # response tokens per turn
     temperature: float = 1.0           # rollout temperature
@@ -187,6 +188,8 @@ def validate(cfg):
         fail(f"--analyzer_retries must be 0 or more, got {cfg.analyzer_retries}")
     if not 0.0 < cfg.train_fraction <= 1.0:
         fail(f"--train_fraction must be in (0, 1] (a share of the training tasks), got {cfg.train_fraction}")
+    if cfg.image and cfg.env not in ("sokoban", "ezpoints"):
+        fail(f"--image is for sokoban and ezpoints (Appendix C.3), not {cfg.env}")
 
 
 def train_subset(num_tasks, fraction, seed):
@@ -523,7 +526,7 @@ def make_rows(episodes, steps, penalty, cfg):
         r = grpo.row_rewards([episodes[e].reward for e in ep_of], valid, penalty)
         adv = grpo.group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm)
     has = torch.tensor([1.0 if episodes[e].skill else 0.0 for e in ep_of])
-    return Rows([list(s.prompt_ids) for s in steps], [list(s.response_ids) for s in steps], adv, has), ep_of
+    return Rows([s.prompt_ids for s in steps], [list(s.response_ids) for s in steps], adv, has), ep_of   # ImagePrompts keep their images
 
 
 def analyze(engine, tok, episodes, cfg, progress, chunk=32):
@@ -660,6 +663,8 @@ def episode_metrics(episodes, stats):
 
 def env_kwargs(cfg, split):
     kw = dict(split=split, history_length=cfg.history_length, max_steps=cfg.max_steps)
+    if cfg.image:
+        kw["image"] = True
     if cfg.env == "alfworld":
         kw["data_dir"] = cfg.data_dir or None
     elif cfg.env == "search":
