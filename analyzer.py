@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import rollout
 import vision
 from envs import IMAGE, insert_skill  # noqa: F401  (insert_skill lives beside the env prompts; analyzer.insert_skill for callers)
+from runfolder import fail
 
 SYSTEM = ("You are an expert coach for an AI agent. You read one finished episode of the agent and write a "
           "short, reusable skill that will help the agent on similar tasks. You answer with JSON only.")
@@ -189,6 +190,24 @@ def answer_room(max_tokens, retries):
     """Context an analysis needs beyond its prompt: the answer, plus per corrective retry the bad answer kept
     in the conversation, the corrective message (< 96 tokens) and a new answer."""
     return (retries + 1) * max_tokens + 96 * retries
+
+
+def analysis_budget(model_path, max_prompt_tokens, max_tokens, retries=0):
+    """-> (the analyzer's prompt budget, the context one analysis needs: that budget + answer_room).
+    The model's own context (config.max_position_embeddings; 8192 for the embedded SmolLM2-135M) caps it:
+    vLLM refuses a longer max_model_len, so the prompt budget shrinks to fit, with a notice."""
+    from transformers import AutoConfig
+    limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    room = answer_room(max_tokens, retries)
+    if limit and max_prompt_tokens + room > limit:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"[analyzer] the model's context is {limit} tokens: the analyzer's prompt budget is "
+                  f"{limit - room} (asked {max_prompt_tokens}, plus {room} for its answers)", flush=True)
+        max_prompt_tokens = limit - room
+    if max_prompt_tokens < 256:
+        fail(f"the analyzer's answers ({room} tokens) leave {max_prompt_tokens} of the model's context for the "
+             f"episode; lower --analyzer_max_tokens or --analyzer_retries")
+    return max_prompt_tokens, max_prompt_tokens + room
 
 
 def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_tokens=None):

@@ -36,7 +36,9 @@ from tqdm import tqdm
 import analyzer
 import envs
 import grpo
+import parallel
 import rollout
+import runfolder
 import seed
 from rollout import Episode, Step
 
@@ -86,32 +88,18 @@ BETAS = (0.9, 0.95)                           # AdamW betas of the authors' SFT 
 
 
 def validate(cfg):
-    if cfg.env not in envs.NAMES:
-        seed.fail(f"unknown --env {cfg.env!r}; choose one of {', '.join(envs.NAMES)}")
-    if cfg.engine not in ("vllm", "hf"):
-        seed.fail(f"unknown --engine {cfg.engine!r}; choose vllm or hf")
-    if cfg.data_dir and not os.path.exists(cfg.data_dir):
-        seed.fail(f"--data_dir {cfg.data_dir} does not exist")
-    if cfg.env == "alfworld" and not cfg.data_dir:
-        from envs.alfworld import HOW_TO_GET_GAMES, find_data_dir
-        try:
-            find_data_dir(None)
-        except Exception:
-            seed.fail(f"no ALFWorld games found (data/alfworld or $ALFWORLD_DATA); {HOW_TO_GET_GAMES}")
+    runfolder.check_common(cfg, ("tasks", "k0", "epochs", "batch_size", "micro_batch_size", "collect_batch",
+                                 "annotate_batch", "analyzer_max_tokens", "analyzer_max_prompt_tokens"))
     if cfg.stage not in ("analyzer", "warmup"):
-        seed.fail(f"unknown --stage {cfg.stage!r}; choose analyzer or warmup")
+        runfolder.fail(f"unknown --stage {cfg.stage!r}; choose analyzer or warmup")
     if cfg.stage == "warmup" and cfg.env not in EXPERT_THOUGHTS:
-        seed.fail(f"--stage warmup needs an env with an expert: {', '.join(EXPERT_THOUGHTS)}")
+        runfolder.fail(f"--stage warmup needs an env with an expert: {', '.join(EXPERT_THOUGHTS)}")
     if bool(cfg.analyzer_url) != bool(cfg.analyzer_model):
-        seed.fail("the external analyzer needs both --analyzer_url and --analyzer_model")
+        runfolder.fail("the external analyzer needs both --analyzer_url and --analyzer_model")
     if cfg.env == "webshop" and not cfg.analyzer_url:
-        seed.fail("WebShop has no expert plan for the scripted annotator; pass --analyzer_url/--analyzer_model")
-    for name in ("tasks", "k0", "epochs", "batch_size", "micro_batch_size", "collect_batch", "annotate_batch",
-                 "analyzer_max_tokens", "analyzer_max_prompt_tokens"):
-        if getattr(cfg, name) < 1:
-            seed.fail(f"--{name} must be positive, got {getattr(cfg, name)}")
+        runfolder.fail("WebShop has no expert plan for the scripted annotator; pass --analyzer_url/--analyzer_model")
     if not (0 <= cfg.val_fraction < 1 and 0 <= cfg.warmup_ratio < 1):
-        seed.fail(f"--val_fraction and --warmup_ratio must be in [0, 1), got {cfg.val_fraction}, {cfg.warmup_ratio}")
+        runfolder.fail(f"--val_fraction and --warmup_ratio must be in [0, 1), got {cfg.val_fraction}, {cfg.warmup_ratio}")
 
 
 # ----------------------------------------------------------------------------- the cache (resumable)
@@ -185,7 +173,7 @@ def collect_episodes(cfg, cache, rank, world, tasks):
     done = {d["key"]: d for d in read_jsonl(os.path.join(cache, "episodes.rank*.jsonl"))}
     mine = [j for j in range(rank, len(tasks), world) if f"{j}:{cfg.k0 - 1}" not in done]
     if mine:
-        engine = rollout.make_engine(cfg.engine, rollout.resolve_model(cfg.model), dtype=seed.resolved_dtype(cfg),
+        engine = rollout.make_engine(cfg.engine, rollout.resolve_model(cfg.model), dtype=parallel.resolved_dtype(cfg),
                                      seed=cfg.seed, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens)
         tok = _tokenizer(cfg.model)
         pool = [envs.make(cfg.env, **seed.env_kwargs(cfg, "train")) for _ in range(min(cfg.collect_batch, len(mine)) * cfg.k0)]
@@ -200,7 +188,7 @@ def collect_episodes(cfg, cache, rank, world, tasks):
                       f"(success {np.mean([ep.won for ep in eps]):.2f})", flush=True)
         del engine, pool
         gc.collect()    # the engine's weights and KV cache are not needed for training
-    seed.gather(None)   # barrier (gloo-safe)
+    parallel.gather(None)   # barrier (gloo-safe)
     return {d["key"]: episode_from_json(d) for d in read_jsonl(os.path.join(cache, "episodes.rank*.jsonl"))}
 
 
@@ -214,7 +202,7 @@ def _tokenizer(model):
 
 def prompt_budget(cfg):
     """The analysis prompt budget, computed as seed.py computes it (the model's context caps it)."""
-    return seed.analysis_budget(rollout.resolve_model(cfg.model), cfg.analyzer_max_prompt_tokens,
+    return analyzer.analysis_budget(rollout.resolve_model(cfg.model), cfg.analyzer_max_prompt_tokens,
                                 cfg.analyzer_max_tokens)[0]
 
 
@@ -239,7 +227,7 @@ def annotate(cfg, cache, rank, world, episodes, tok, budget):
                      [{"key": k, "analysis": p} for k, p in zip(batch, parsed)])
         bar.update(len(batch))
     bar.close()
-    seed.gather(None)
+    parallel.gather(None)
     return {d["key"]: d["analysis"] for d in read_jsonl(os.path.join(cache, "labels.rank*.jsonl"))}
 
 
@@ -258,7 +246,7 @@ def make_examples(tok, episodes, labels, budget):
 
 def nll_sum(model, batch, pad_id, cfg, device, grad):
     """-> (summed NLL of the completion tokens [scalar tensor], their count) of (prompt, completion) pairs."""
-    with seed.autocast(device, seed.resolved_dtype(cfg)):
+    with parallel.autocast(device, parallel.resolved_dtype(cfg)):
         lp, mask, _ = grpo.response_logprobs(model, [p for p, _ in batch], [c for _, c in batch], pad_id,
                                              grad=grad)   # [rows, R]
     return -(lp * mask).sum(), float(mask.sum())
@@ -268,37 +256,40 @@ def val_loss(model, val, rank, world, cfg, device, pad_id):
     """Token-mean NLL of the held-out pairs over all ranks (every rank runs as many forwards: FSDP)."""
     mine, total, count = val[rank::world], 0.0, 0.0
     with torch.no_grad():
-        for idx in seed.chunked(len(mine), cfg.micro_batch_size, same_count=True):
+        for idx in parallel.chunked(len(mine), cfg.micro_batch_size, same_count=True):
             s, n = nll_sum(model, [mine[i] for i in idx] if idx else val[:1], pad_id, cfg, device, grad=False)
             total, count = (total + float(s), count + n) if idx else (total, count)
-    return seed.all_sum(total) / max(seed.all_sum(count), 1.0)
+    return parallel.all_sum(total) / max(parallel.all_sum(count), 1.0)
 
 
 def finetune(cfg, examples, val, rank, world, device):
     """N epochs of token-mean NLL on the completion only (prompt masked); global token count under DDP;
     AdamW with the authors' betas, cosine lr after a linear warm-up; the validation loss after each epoch.
     -> (model, tokenizer, per-step log, per-epoch validation losses)."""
-    from transformers import get_cosine_schedule_with_warmup
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
     model, tok, _ = rollout.load_model(cfg.model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    wrapped = seed.wrap(model, cfg, device, world)
+    wrapped = parallel.wrap(model, cfg, device, world)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
-    sched = get_cosine_schedule_with_warmup(opt, int(cfg.warmup_ratio * cfg.epochs * steps_per_epoch),
-                                            cfg.epochs * steps_per_epoch)
+    warm, total = int(cfg.warmup_ratio * cfg.epochs * steps_per_epoch), cfg.epochs * steps_per_epoch
+    # Stage 1: the authors' cosine decay. The warm start (not theirs): a constant lr, which at the same
+    # peak teaches the solver's moves in a few steps where the cosine's decay left the policy far weaker
+    sched = (get_constant_schedule_with_warmup(opt, warm) if cfg.stage == "warmup"
+             else get_cosine_schedule_with_warmup(opt, warm, total))
     val_log = []
     log, bar = [], tqdm(total=cfg.epochs * steps_per_epoch, desc="sft", disable=rank != 0)
     for epoch in range(cfg.epochs):
         order = np.random.default_rng([cfg.seed, epoch]).permutation(len(examples))   # same on every rank
         for s in range(steps_per_epoch):
             batch = [examples[i] for i in order[s * cfg.batch_size:(s + 1) * cfg.batch_size]][rank::world]
-            n_tok = seed.all_sum(sum(len(c) for _, c in batch))
+            n_tok = parallel.all_sum(sum(len(c) for _, c in batch))
             opt.zero_grad(set_to_none=True)
-            micros, total = seed.chunked(len(batch), cfg.micro_batch_size, same_count=True), 0.0
+            micros, total = parallel.chunked(len(batch), cfg.micro_batch_size, same_count=True), 0.0
             for k, idx in enumerate(micros):
                 mb = [batch[i] for i in idx] if idx else examples[:1]       # filler: weight 0
-                with seed.grad_sync(wrapped, k == len(micros) - 1):
+                with parallel.grad_sync(wrapped, k == len(micros) - 1):
                     nll = nll_sum(wrapped, mb, tok.pad_token_id, cfg, device, grad=True)[0] / (max(n_tok, 1.0) / world)
                     (nll if idx else nll * 0.0).backward()                  # share of the global token mean
                 total += float(nll.detach()) * world if idx else 0.0
@@ -306,7 +297,7 @@ def finetune(cfg, examples, val, rank, world, device):
             lr = sched.get_last_lr()[0]
             opt.step()
             sched.step()
-            loss = seed.all_sum(total) / world
+            loss = parallel.all_sum(total) / world
             log.append({"epoch": epoch, "step": len(log), "loss": loss, "tokens": n_tok, "lr": lr,
                         "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)})
             bar.update(1)
@@ -373,12 +364,12 @@ def warmup(cfg, rank, world, device):
     train, val = split_pairs(per_task, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))   # by task
     train, val = [x for t in train for x in t], [x for t in val for x in t]
     if not train:
-        seed.fail(f"the expert won none of the {len(tasks)} training tasks within --max_steps {cfg.max_steps}")
+        runfolder.fail(f"the expert won none of the {len(tasks)} training tasks within --max_steps {cfg.max_steps}")
     if rank == 0:
         print(f"[warmup] expert won {sum(bool(t) for t in per_task)}/{len(tasks)} tasks: {len(train)} training "
               f"and {len(val)} held-out steps", flush=True)
     model, tok, log, val_log = finetune(cfg, train, val, rank, world, device)
-    if save_model(model, tok, cfg.out, rank):
+    if runfolder.save_model(model, tok, cfg.out, rank):
         with open(os.path.join(cfg.out, "sft_log.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in log)
         summary = {"config": dataclasses.asdict(cfg), "world_size": world, "tasks": len(tasks),
@@ -388,14 +379,14 @@ def warmup(cfg, rank, world, device):
             json.dump(summary, f, indent=2)
         print(f"[warmup] saved {cfg.out} (loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, held-out "
               f"{val_log[-1] if val_log else float('nan'):.3f}; {summary['sec/total']:.0f} s)", flush=True)
-    seed.teardown_dist()
+    parallel.teardown_dist()
 
 
 def main(argv=None):
-    cfg = seed.parse_config(argv, cls=SFTConfig, env_defaults=ENV_DEFAULTS, doc=__doc__)
+    cfg = runfolder.parse_config(argv, SFTConfig, ENV_DEFAULTS, __doc__)
     cfg.out = cfg.out or os.path.join("runs", f"{'warmup' if cfg.stage == 'warmup' else 'sft'}-{cfg.env}")
     validate(cfg)
-    rank, world, device = seed.setup_dist(cfg.seed)
+    rank, world, device = parallel.setup_dist(cfg.seed)
     if cfg.stage == "warmup":
         return warmup(cfg, rank, world, device)
     cache = os.path.join(cfg.out, "stage1")
@@ -410,7 +401,7 @@ def main(argv=None):
     t_annotate = time.time() - t0 - t_collect
     examples = make_examples(tok, episodes, labels, budget)
     if not examples:
-        seed.fail("no annotation parsed: nothing to fine-tune on (see the labels in " + cache + ")")
+        runfolder.fail("no annotation parsed: nothing to fine-tune on (see the labels in " + cache + ")")
     train, val = split_pairs(examples, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))
     if rank == 0:
         print(f"[sft] {len(episodes)} episodes (success {np.mean([e.won for e in episodes.values()]):.2f}), "
@@ -420,25 +411,13 @@ def main(argv=None):
     save(cfg, model, tok, episodes, labels, log, rank, world,
          {"train_pairs": len(train), "val_pairs": len(val), "val_loss": val_log,
           "sec/collect": t_collect, "sec/annotate": t_annotate, "sec/total": time.time() - t0})
-    seed.teardown_dist()
-
-
-def save_model(model, tok, out, rank):
-    """HF checkpoint (safetensors) + tokenizer in `out`: every rank gathers the full weights, rank 0 writes.
-    -> whether this rank wrote."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    sd = get_model_state_dict(seed.unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return False
-    seed.unwrap(model).save_pretrained(out, state_dict=sd, safe_serialization=True)
-    tok.save_pretrained(out)
-    return True
+    parallel.teardown_dist()
 
 
 def save(cfg, model, tok, episodes, labels, log, rank, world, extra):
     """HF checkpoint + tokenizer + skills.jsonl (the skill library) + sft_log.jsonl (one line per step; the
     last of each epoch has its "val_loss") + stage1.json (counts, "val_loss" per epoch, timings)."""
-    if not save_model(model, tok, cfg.out, rank):
+    if not runfolder.save_model(model, tok, cfg.out, rank):
         return
     library = analyzer.SkillLibrary()
     for key in sorted(labels):

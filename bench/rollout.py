@@ -97,7 +97,7 @@ def record(eps, n, env, max_tokens):
     """Keep the episodes as a run folder in seed.py's format (config.json + episodes/update_0000.jsonl), so
     bench/train_step.py can replay their rows (realistic prompt and response lengths)."""
     import json
-    import seed
+    import runfolder
     run = os.path.join(common.BENCH_CACHE, "runs", f"rollout-{n}")
     os.makedirs(os.path.join(run, "episodes"), exist_ok=True)
     cfg = {"env": "alfworld", "data_dir": common.games_dir(), "history_length": env.history_length,
@@ -105,7 +105,7 @@ def record(eps, n, env, max_tokens):
     with open(os.path.join(run, "config.json"), "w") as f:
         json.dump(cfg, f)
     with open(os.path.join(run, "episodes", "update_0000.jsonl"), "w") as f:
-        f.writelines(json.dumps(seed.episode_record(ep)) + "\n" for ep in eps)
+        f.writelines(json.dumps(runfolder.episode_record(ep)) + "\n" for ep in eps)
 
 
 def engine_speed(engine, prompts, max_tokens):

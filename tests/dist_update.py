@@ -12,7 +12,7 @@ interleaved split (rank r: rows r, r+2, ...; its first half, then its second hal
 mini-batch the same set of rows in all three set-ups.
 Writes a fingerprint of the parameter change (per tensor: sum, norm and every 997th element), the grad
 norms, and the max difference of rank 1's parameters from rank 0's; under torchrun also the run
-checkpoint (seed.save_checkpoint) next to OUT.json.
+checkpoint (runfolder.save_checkpoint) next to OUT.json.
 """
 import json
 import os
@@ -22,7 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import parallel  # noqa: E402
 import rollout  # noqa: E402
+import runfolder  # noqa: E402
 import seed  # noqa: E402
 
 
@@ -45,17 +47,17 @@ def fixed_rows(model, n=8):
 
 def main():
     out, fsdp = sys.argv[1], "--fsdp" in sys.argv
-    rank, world, device = seed.setup_dist(0)
+    rank, world, device = parallel.setup_dist(0)
     model, tok, _ = rollout.load_model("smollm2-135m")
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rows = fixed_rows(model)
     local = rows.take(list(range(rank, len(rows), world)))
     cfg = seed.Config(algo="seed", micro_batch_size=2, mini_batch_size=4, grad_clip=1e9, fsdp=fsdp, dtype="float32")
-    wrapped = seed.wrap(model, cfg, device, world)
+    wrapped = parallel.wrap(model, cfg, device, world)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.02)
     sums, norms = seed.update_policy(wrapped, opt, local, cfg, tok.pad_token_id, world, device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    after = get_model_state_dict(seed.unwrap(wrapped), options=StateDictOptions(full_state_dict=True))
+    after = get_model_state_dict(parallel.unwrap(wrapped), options=StateDictOptions(full_state_dict=True))
     fp = {}
     for k, v in after.items():
         d = (v.detach().cpu().double() - before[k].double()).flatten()
@@ -67,12 +69,10 @@ def main():
             t = mine.contiguous().clone()
             dist.broadcast(t, src=0)
             rank_diff = max(rank_diff, float((t - mine).abs().max()))
-        rank_diff = seed.all_max(rank_diff)
+        rank_diff = parallel.all_max(rank_diff)
     if world > 1:   # the run checkpoint (HF folder + trainer state) written from the wrapped model
         import numpy as np
-        S = dict(model=wrapped, opt=opt, tok=tok, rank=rank, world=world, run_dir=os.path.dirname(out),
-                 data_rng=np.random.default_rng(0), engine=None)
-        seed.save_checkpoint(S, 1)
+        runfolder.save_checkpoint(os.path.dirname(out), 1, wrapped, opt, tok, np.random.default_rng(0))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world": world, "fsdp": fsdp, "grad_norms": norms, "sums": sums, "fingerprint": fp,

@@ -1,6 +1,6 @@
 """The weight-sync check under FSDP2, launched by tests/test_rollout.py as
 `torchrun --nproc_per_node=2 tests/push_ranks.py OUT.json`: two gloo ranks shard the embedded model with
-fully_shard (seed.wrap), each rank has its own float32 vLLM engine; the engine's log-probs of its own
+fully_shard (parallel.wrap), each rank has its own float32 vLLM engine; the engine's log-probs of its own
 sample are compared with the sharded trainer's before an optimizer step, after it without a push, and after
 seed.push (the streamed push: one gathered tensor at a time). Rank 0 writes every rank's numbers."""
 import json
@@ -12,15 +12,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+import parallel  # noqa: E402
 import rollout  # noqa: E402
 import seed  # noqa: E402
 
 
 def main(out):
-    rank, world, device = seed.setup_dist(0)
+    rank, world, device = parallel.setup_dist(0)
     path = rollout.resolve_model(rollout.EMBEDDED)
     model, tok, _ = rollout.load_model(path)
-    model = seed.wrap(model, seed.Config(fsdp=True, dtype="float32"), device, world)
+    model = parallel.wrap(model, seed.Config(fsdp=True, dtype="float32"), device, world)
     sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
     engine = rollout.make_engine("vllm", path, dtype="float32", seed=0, max_model_len=1024)
     prompt = rollout.chat_ids(tok, "List the rooms of a house and what each one is for. " * 14)   # > 1 KV block
@@ -57,7 +58,7 @@ def main(out):
             json.dump(gathered, f)
     dist.barrier()
     engine.close()          # vLLM's shutdown, then the trainer's group (already gone: vLLM destroyed it)
-    seed.teardown_dist()
+    parallel.teardown_dist()
 
 
 if __name__ == "__main__":

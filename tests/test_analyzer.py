@@ -155,14 +155,14 @@ def test_analysis_budget_is_the_analyzers_own_capped_by_the_model(model_path, tm
         conf = json.load(f)
     with open(tmp_path / "config.json", "w") as f:
         json.dump(dict(conf, max_position_embeddings=32768), f)
-    assert seed.analysis_budget(str(tmp_path), 16384, 1024) == (16384, 17408) and not capsys.readouterr().out
-    assert seed.analysis_budget(model_path, 16384, 1024, retries=2) == (8192 - 3 * 1024 - 192, 8192)
+    assert analyzer.analysis_budget(str(tmp_path), 16384, 1024) == (16384, 17408) and not capsys.readouterr().out
+    assert analyzer.analysis_budget(model_path, 16384, 1024, retries=2) == (8192 - 3 * 1024 - 192, 8192)
     assert "8192 tokens" in capsys.readouterr().out
     cfg = seed.parse_config(["--algo", "grpo"])                            # no live analyzer: the actor's turn
     assert seed.engine_context(cfg, str(tmp_path)) == cfg.max_prompt_tokens + cfg.max_tokens
     assert seed.engine_context(seed.parse_config([]), str(tmp_path)) == 16384 + 1024
     with pytest.raises(SystemExit):
-        seed.analysis_budget(model_path, 16384, 4096, retries=1)           # nothing left for the episode
+        analyzer.analysis_budget(model_path, 16384, 4096, retries=1)           # nothing left for the episode
 
 
 # ----------------------------------------------------------------------------- parsing

@@ -23,6 +23,7 @@ import analyzer
 import grpo
 import envs
 import rollout
+import runfolder
 import seed
 import sft
 
@@ -54,15 +55,15 @@ def test_flags_env_columns_and_overrides():
     assert (cfg.tasks_per_update, cfg.group_size, cfg.max_steps, cfg.lr, cfg.lambda_opd, cfg.beta_opd) == \
         (16, 8, 30, 1e-6, 0.01, 5.0)
     assert seed.parse_config(["--env", "webshop"]).adv_norm == "mean_norm"
-    assert sft.main.__module__ == "sft" and seed.parse_config([], cls=sft.SFTConfig).k0 == 8
+    assert sft.main.__module__ == "sft" and runfolder.parse_config([], sft.SFTConfig).k0 == 8
 
 
 def test_stage1_defaults_are_the_authors():
-    c = seed.parse_config([], cls=sft.SFTConfig)
+    c = runfolder.parse_config([], sft.SFTConfig)
     assert (c.tasks, c.k0, c.temperature, c.val_fraction, c.lr, c.warmup_ratio, c.batch_size, c.epochs) == \
         (180, 8, 0.4, 0.1, 5e-6, 0.1, 8, 3) and sft.BETAS == (0.9, 0.95)
     assert (c.analyzer_max_prompt_tokens, c.analyzer_max_tokens) == (16384, 1024)
-    c = seed.parse_config(["--env", "sokoban"], cls=sft.SFTConfig, env_defaults=sft.ENV_DEFAULTS)
+    c = runfolder.parse_config(["--env", "sokoban"], sft.SFTConfig, sft.ENV_DEFAULTS)
     assert (c.temperature, c.lr, c.max_steps) == (1.0, 2e-6, 15)
 
 

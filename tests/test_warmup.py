@@ -10,13 +10,14 @@ import pytest
 
 import envs
 import rollout
+import runfolder
 import seed
 import sft
 from tests.test_alfworld import REAL
 
 
 def sft_config(flags):
-    return seed.parse_config(flags, cls=sft.SFTConfig, env_defaults=sft.ENV_DEFAULTS)
+    return runfolder.parse_config(flags, sft.SFTConfig, sft.ENV_DEFAULTS)
 
 
 @pytest.mark.parametrize("env_name, split, tasks", [
