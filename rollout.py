@@ -174,8 +174,10 @@ def _unwrap(model):
 def _repack_lm_head(model):
     # The CPU backend prepares each Linear weight for its GEMM kernel after loading (a packed copy
     # for the AMX/bf16 kernels, a oneDNN handle otherwise). A tied LM head shares the embedding
-    # tensor, which reload_weights refreshed, but is not itself reloaded: prepare it again.
-    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    # tensor, which reload_weights refreshed, but is not itself reloaded: prepare it again. A vision-language
+    # model keeps its LM head in its language model.
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    lm.lm_head.quant_method.process_weights_after_loading(lm.lm_head)
 
 
 def stream_weights(model, dtype):
@@ -253,7 +255,8 @@ class VLLMEngine:
             torch.set_num_threads(num_threads)
         self.max_model_len = max_model_len
         self.dtype = getattr(torch, dtype)
-        self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tied = bool(getattr(hf_config.get_text_config(), "tie_word_embeddings", False))   # VL: the text part's
         self.asleep = False
 
     def generate(self, prompt_ids_list, temperature, max_tokens, n=1):

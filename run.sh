@@ -4,6 +4,7 @@
 #   ./run.sh test       the test suite (extra arguments go to pytest)
 #   ./run.sh setup      only install
 #   ./run.sh alfworld|webshop|search|sokoban|ezpoints    the paper's recipe on 8 GPUs
+#   ./run.sh sokoban_vl|ezpoints_vl   the visual agents (Appendix C.3, Qwen2.5-VL-3B-Instruct) on 8 GPUs
 #   ./run.sh gpu-check  prove the GPU path on this machine (weight sync, sleep/wake, FSDP2, memory model)
 #   ./run.sh memory     the per-rank memory table (bench/memory.py; extra arguments go to it)
 # The virtual environment lives in .venv (or $SEED_VENV); it is rebuilt when the requirements change.
@@ -111,6 +112,25 @@ PY
     --algo seed --out "runs/seed-$env" --updates 150 --resume "${data[@]}" "${shard[@]}" "$@"
 }
 
+# Appendix C.3's visual agents: Qwen2.5-VL-3B-Instruct on image Sokoban (the 6x6 room as a 96 x 96 image) and
+# image EZPoints (two drawn cards; the formula so far as text), with the settings of the authors' visual
+# launchers (examples/seed_trainer/_common/sokoban_visual.sh and ezpoints.sh, run_*_sft_gemini_self.sh):
+# B 32 / 16 tasks, N 8, max steps 15 / 8, prompt 1,024 and response 512 tokens, mini-batch 64 / 128 rows, lr 1e-6,
+# KL 0.01, the live analyzer reading each episode's images (analysis context 24,576 / 16,384, 2,048 new
+# tokens), 150 / 100 updates, evaluation every 5. Their RL starts from a visual Stage-1 checkpoint annotated
+# by Gemini: pass it as INIT; without one (sft.py has no image mode yet) the run starts from MODEL itself.
+visual_recipe() {
+  local env=$1; shift
+  local model="${MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}" ngpu="${NGPU:-8}" init="${INIT:-}"
+  local per=(--tasks_per_update 32 --max_steps 15 --mini_batch_size 64 --analyzer_max_prompt_tokens 24576 --updates 150)
+  [ "$env" = ezpoints ] && per=(--tasks_per_update 16 --max_steps 8 --mini_batch_size 128 --analyzer_max_prompt_tokens 16384 --updates 100)
+  [ -z "$init" ] && echo "[${env}_vl] no INIT (a visual Stage-1 checkpoint): RL starts from $model" >&2
+  PATH="$VENV/bin:$PATH" torchrun --standalone --nproc_per_node="$ngpu" seed.py --env "$env" --image \
+    --model "$model" --init "$init" --algo seed --out "runs/seed-${env}_vl" --group_size 8 --history_length 2 \
+    --max_prompt_tokens 1024 --max_tokens 512 --analyzer_max_tokens 2048 --lr 1e-6 --kl_coef 0.01 \
+    --eval_every 5 --gradient_checkpointing --fsdp --resume "${per[@]}" "$@"
+}
+
 cmd="${1:-demo}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -125,6 +145,9 @@ case "$cmd" in
   alfworld|webshop|search|sokoban|ezpoints)
     setup
     recipe "$cmd" "$@" ;;
+  sokoban_vl|ezpoints_vl)
+    setup
+    visual_recipe "${cmd%_vl}" "$@" ;;
   gpu-check)
     setup
     exec "$PY" tests/gpu_check.py "$@" ;;
@@ -132,6 +155,6 @@ case "$cmd" in
     setup
     exec "$PY" bench/memory.py "$@" ;;
   *)
-    echo "unknown command '$cmd'; use: test | setup | (nothing) | alfworld | webshop | search | sokoban | ezpoints | gpu-check | memory" >&2
+    echo "unknown command '$cmd'; use: test | setup | (nothing) | alfworld | webshop | search | sokoban | ezpoints | sokoban_vl | ezpoints_vl | gpu-check | memory" >&2
     exit 2 ;;
 esac

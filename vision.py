@@ -47,6 +47,9 @@ class Processor:
 
     def __init__(self, path):
         from transformers import AutoImageProcessor, AutoTokenizer
+        if not os.path.exists(os.path.join(path, "preprocessor_config.json")):
+            raise SystemExit(f"{path} has no image processor (preprocessor_config.json): image mode (--image) "
+                             f"needs a vision-language model such as Qwen/Qwen2.5-VL-3B-Instruct")
         self.source = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
@@ -65,6 +68,14 @@ class Processor:
 def load_processor(path):
     """The processor of a model folder, loaded once per process."""
     return Processor(path)
+
+
+def save_image_processor(tokenizer, out):
+    """Beside a checkpoint's tokenizer: the image processor of the folder the tokenizer came from, when it has
+    one, so that the checkpoint loads as a vision-language model again (resume, evaluation, vLLM)."""
+    src = getattr(tokenizer, "name_or_path", "")
+    if src and os.path.exists(os.path.join(src, "preprocessor_config.json")):
+        load_processor(src).image_processor.save_pretrained(out)
 
 
 def as_pil(x):

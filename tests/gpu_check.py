@@ -8,6 +8,8 @@ under pytest.
                 update, different after an update without a push, equal again after seed.push
     4. sleep    sleep (level 2) frees the engine's share; an update; seed.push wakes weights, pushes,
                 wakes the KV cache; the engine generates with the new weights
+    5. visual   a tiny Qwen2.5-VL in vLLM on image Sokoban: multimodal prompts, engine vs trainer log-probs
+                equal in float32 before and after a push of every weight, vision tower included (tests/vl_sync.py)
 
     .venv/bin/python tests/gpu_check.py [--model smollm2-135m] [--micro_batch 4 --prompt 1024 --response 256]
 Exit status: 0 all checks that could run passed, 1 a check failed, 2 no CUDA.
@@ -137,6 +139,22 @@ def check_sleep(state, util=0.3):
                 f"(+{back / 2**30:.1f} GiB vs before), max |diff| after the push {diff:.3f}")
 
 
+def check_visual():
+    """tests/vl_sync.py in a child process (its own vLLM engine): a tiny Qwen2.5-VL on image Sokoban, float32,
+    engine vs trainer log-probs before, stale without a push, equal again after seed.push (vision tower too)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "vl.json")
+        p = subprocess.run([sys.executable, "tests/vl_sync.py", out], cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+        if not os.path.exists(out):
+            return False, f"tests/vl_sync.py wrote nothing: {p.stderr.strip().splitlines()[-1:]}"
+        r = json.load(open(out))
+    if "error" in r:
+        return False, f"vLLM did not serve the tiny Qwen2.5-VL: {r['error'][:300]}"
+    ok = r["before"] < 1e-3 and r["after"] < 1e-3 and r["stale"] > 1e-2
+    return ok, f"max |diff| before {r['before']:.2g}, after a change without push {r['stale']:.2g}, after push {r['after']:.2g}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a model the GPU can train in one process")
@@ -162,6 +180,7 @@ def main(argv=None):
 
     record("memory", check_memory, args.model, args.micro_batch, args.prompt, args.response)
     record("fsdp2", check_fsdp2)
+    record("visual", check_visual)
     try:
         state = _engine_and_model(args.model)
     except Exception as e:

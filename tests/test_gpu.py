@@ -26,7 +26,7 @@ def lines():
     return out
 
 
-@pytest.mark.parametrize("check", ["memory", "sync", "sleep"])
+@pytest.mark.parametrize("check", ["memory", "sync", "sleep", "visual"])
 def test_gpu_check(lines, check):
     status, line = lines.get(check, ("MISSING", f"no line for {check}"))
     assert status == "PASS", line

@@ -173,3 +173,22 @@ def test_one_update_through_seed_on_image_sokoban(tiny_vl, tmp_path, monkeypatch
         assert "loss/opd" not in m
     eps = [json.loads(x) for x in open(f"{out}/episodes/update_0000.jsonl")]
     assert len(eps) == 2 and "<image>" in eps[0]["first_prompt"]
+
+
+def test_a_checkpoint_keeps_the_image_processor(tiny_vl, vl, tmp_path):
+    """vision.save_image_processor beside tok.save_pretrained: the saved folder encodes images alike; a text
+    model's folder gets nothing, and image mode on it stops with a message naming the problem."""
+    model, tok = vl
+    out = str(tmp_path / "ckpt")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    vision.save_image_processor(tok, out)
+    img = np.random.default_rng(1).integers(0, 255, (96, 96, 3), dtype=np.uint8)
+    a = vision.encode(vision.load_processor(tiny_vl), f"see {envs.IMAGE}", [img])
+    b = vision.encode(vision.load_processor(out), f"see {envs.IMAGE}", [img])
+    assert list(a) == list(b) and torch.equal(vision.pixel_inputs([a], "cpu")["pixel_values"],
+                                              vision.pixel_inputs([b], "cpu")["pixel_values"])
+    text = str(tmp_path / "text")
+    tok.save_pretrained(text)
+    with pytest.raises(SystemExit, match="no image processor"):
+        vision.load_processor(text)
