@@ -25,6 +25,7 @@ import envs
 import grpo
 import rollout
 import vision
+from parallel import autocast, chunked, resolved_dtype
 
 
 def gates(lp_skill, lp, beta=5.0):
@@ -97,4 +98,23 @@ def rescore(model, tokenizer, rows, skills, env_names, micro_batch=8):
         lp, _, _ = grpo.response_logprobs(model, [prompts[i] for i in idx], [responses[i] for i in idx],
                                           tokenizer.pad_token_id)              # [mb, R_mb]
         out[idx, :lp.shape[1]] = lp
+    return out
+
+
+@torch.no_grad()
+def rescore_rows(model, tokenizer, steps, skills, cfg, device):
+    """Section 3.3: lp_skill of an update's rows whose episode has a skill (rescore, one forward per chunk);
+    the other rows get zeros, which the has-skill mask removes from the loss."""
+    out = [torch.zeros(len(s.response_ids)) for s in steps]
+    todo = [i for i, k in enumerate(skills) if k]
+    # sorted across the whole batch (prompt + skill characters, then response): chunks of similar lengths
+    todo = sorted(todo, key=lambda i: (len(steps[i].prompt_text) + len(skills[i]), len(steps[i].response_ids)))
+    for idx in chunked(len(todo), cfg.micro_batch_size, cfg.fsdp):
+        rows = [todo[j] for j in idx] if idx else [0]   # FSDP filler forward; result dropped
+        with autocast(device, resolved_dtype(cfg)):
+            lp = rescore(model, tokenizer, [steps[i] for i in rows], [skills[i] for i in rows], cfg.env,
+                         micro_batch=cfg.micro_batch_size)                                # [mb, R]
+        if idx:
+            for i, t in zip(rows, grpo.trim(lp, [len(steps[i].response_ids) for i in rows])):
+                out[i] = t
     return out

@@ -20,6 +20,10 @@ a bounded per-token weight on GRPO), skill_sd (GRPO + ungated distillation from 
 `--init ""` is the no-SFT ablation, `--train_fraction` the sample-efficiency study (Table 6). Runs:
 `torchrun --nproc_per_node=8 seed.py ...` (DDP, or FSDP2 with --fsdp) or plain `python seed.py ...`;
 everything lands in `runs/<name>/` (DESIGN section 8).
+
+Reading order: Config, Run (what a run holds), rl_update (the loop above), micro_loss and update_policy (the
+joint objective), evaluation, then the set-up (validate, build_run) and main. The plumbing shared with sft.py
+is in parallel.py (process group, collectives, DDP / FSDP2) and runfolder.py (flags, run folder, checkpoints).
 """
 import json
 import math
@@ -186,12 +190,13 @@ def rl_update(u, run):
         model, pad_id = run.model, run.tok.pad_token_id
         # 4. reference and old log-probs: one no-grad pass each
         if all_sum(len(rows)) > cfg.mini_batch_size:   # later mini-batches need log pi_old; one mini-batch does not
-            rows.old = batch_logprobs(run.fwd, rows, pad_id, cfg, run.device)
+            rows.old = grpo.batch_logprobs(run.fwd, rows, pad_id, cfg, run.device)
         if cfg.kl_coef > 0:
-            rows.ref = batch_logprobs(run.ref, rows, pad_id, cfg, run.device)
+            rows.ref = grpo.batch_logprobs(run.ref, rows, pad_id, cfg, run.device)
     with timed(sec, "rescore"):   # 5. re-score under the skill-augmented context (rows with a skill are distilled)
         if cfg.algo in RESCORE:
-            rows.skill = rescore_rows(run.fwd, run.tok, steps, [episodes[e].skill for e in ep_of], cfg, run.device)
+            rows.skill = opd.rescore_rows(run.fwd, run.tok, steps, [episodes[e].skill for e in ep_of], cfg,
+                                           run.device)
     with timed(sec, "update"):    # 6. mini-batch updates of the joint objective, one pass, rows shuffled
         order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
         sums, norms = update_policy(model, run.opt, rows, cfg, pad_id, world, run.device, order, main_rank,
@@ -318,7 +323,7 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, prog
     totals, norms = {}, []
     bar = tqdm(total=n_mb, desc="update", disable=not progress, leave=False)
     for part in np.array_split(np.array(order, dtype=np.int64), n_mb):
-        part = by_length(part.tolist(), rows.prompts, rows.responses)   # same gradient, less padding
+        part = grpo.by_length(part.tolist(), rows.prompts, rows.responses)   # same gradient, less padding
         mbrows = rows.take(part)
         # global counts of this mini-batch: response tokens, and tokens of rows with a skill (the OPD mean)
         n_tok, n_skill = all_sum([sum(len(r) for r in mbrows.responses),
@@ -364,7 +369,7 @@ def loss_metrics(s, norms, algo):
     return out
 
 
-# ----------------------------------------------------------------------------- rows and log-probs
+# ----------------------------------------------------------------------------- the training rows
 
 @dataclass
 class Rows:
@@ -392,54 +397,6 @@ def pad(seqs, R):
     out = torch.zeros(len(seqs), R)
     for i, s in enumerate(seqs):
         out[i, :len(s)] = s[:R]
-    return out
-
-
-def trim(lp, lengths):
-    """[rows, R] -> list of 1-D cpu tensors, one per row, of its response length."""
-    lp = lp.detach().float().cpu()
-    return [lp[i, :n].clone() for i, n in enumerate(lengths)]
-
-
-def by_length(idx, prompts, responses):
-    """Rows sorted by (prompt, response) length: the [left-padded prompt | right-padded response] layout
-    pads the two parts separately, so this key leaves the least padding in each micro-batch
-    (bench/RESULTS.md: 0.094 -> 0.015 padded/real tokens on 256 ALFWorld rows)."""
-    return sorted(idx, key=lambda i: (len(prompts[i]), len(responses[i])))
-
-
-@torch.no_grad()
-def batch_logprobs(model, rows, pad_id, cfg, device):
-    """One no-grad pass over the rows (old or reference log-probs) -> list of 1-D tensors."""
-    out = [None] * len(rows)
-    order = by_length(range(len(rows)), rows.prompts, rows.responses)
-    for idx in chunked(len(rows), cfg.micro_batch_size, cfg.fsdp):
-        batch = [order[j] for j in idx] if idx else [0]   # FSDP filler forward; result dropped
-        with autocast(device, resolved_dtype(cfg)):
-            lp, _, _ = grpo.response_logprobs(model, [rows.prompts[i] for i in batch],
-                                              [rows.responses[i] for i in batch], pad_id)   # [mb, R]
-        if idx:
-            for i, t in zip(batch, trim(lp, [len(rows.responses[i]) for i in batch])):
-                out[i] = t
-    return out
-
-
-@torch.no_grad()
-def rescore_rows(model, tokenizer, steps, skills, cfg, device):
-    """Section 3.3: lp_skill of the rows whose episode has a skill (opd.rescore, one forward per chunk);
-    the other rows get zeros, which the has-skill mask removes from the loss."""
-    out = [torch.zeros(len(s.response_ids)) for s in steps]
-    todo = [i for i, k in enumerate(skills) if k]
-    # sorted across the whole batch (prompt + skill characters, then response): chunks of similar lengths
-    todo = sorted(todo, key=lambda i: (len(steps[i].prompt_text) + len(skills[i]), len(steps[i].response_ids)))
-    for idx in chunked(len(todo), cfg.micro_batch_size, cfg.fsdp):
-        rows = [todo[j] for j in idx] if idx else [0]   # FSDP filler forward; result dropped
-        with autocast(device, resolved_dtype(cfg)):
-            lp = opd.rescore(model, tokenizer, [steps[i] for i in rows], [skills[i] for i in rows], cfg.env,
-                             micro_batch=cfg.micro_batch_size)                            # [mb, R]
-        if idx:
-            for i, t in zip(rows, trim(lp, [len(steps[i].response_ids) for i in rows])):
-                out[i] = t
     return out
 
 

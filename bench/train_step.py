@@ -4,7 +4,7 @@ Measured in one run on this machine:
   * the matmul peak: torch.matmul on large square matrices, float32 and bfloat16, all torch threads;
   * padding waste (padded tokens / real tokens) of the micro-batches, on realistic rows (replayed from a
     run's recorded episodes/update_XXXX.jsonl), in row order (seed.py before its length sorting) and
-    length-sorted (seed.py now: seed.by_length, by (prompt, response) length);
+    length-sorted (seed.py now: grpo.by_length, by (prompt, response) length);
   * achieved FLOP/s of one no-grad log-prob pass (grpo.response_logprobs per micro-batch, counted
     2 x params x tokens) and of the update (seed.micro_loss per micro-batch, backward, grad clip, AdamW:
     seed.update_policy's step with the micro-batches laid out here; counted 6 x params x tokens), for
@@ -41,7 +41,7 @@ def chunks(idx, size):
 
 
 def by_length(rows, idx):
-    """The fix, as seed.by_length does it: sort by (prompt length, response length). rows: [(P, R)]."""
+    """The fix, as grpo.by_length does it: sort by (prompt length, response length). rows: [(P, R)]."""
     return sorted(idx, key=lambda i: rows[i])
 
 
@@ -58,7 +58,7 @@ def update_batches(rows, mini, micro, seed, sort):
 
 
 def pass_batches(rows, micro, sort):
-    """seed.batch_logprobs: rows in episode order in chunks of `micro`; sort=True: globally by length."""
+    """grpo.batch_logprobs: rows in episode order in chunks of `micro`; sort=True: globally by length."""
     idx = list(range(len(rows)))
     return chunks(by_length(rows, idx) if sort else idx, micro)
 

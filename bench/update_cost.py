@@ -15,15 +15,15 @@ each phase's median over the repeats with its min-max, and three ratios of the m
 When a shared phase (one of at least a tenth of grpo's update) or their sum differs by more than 15 %,
 the machine's noise is larger than what is measured: the run is noise-dominated and no ratio is headlined.
 
-The checkpoint (`--init auto`): runs/demo-sft (what ./run.sh writes) when it is there, else the bench's own
-copy of that Stage 1 (.cache/bench/demo-sft: sft.py with the demo's flags and the scripted annotator, built
-once, a few minutes). From the base model (`--init ''`) no analysis parses, so SEED's re-scoring never
-runs and the ratio measures nothing of SEED.
+The checkpoint (`--init auto`): the bench's own ALFWorld Stage 1 (.cache/bench/demo-sft: sft.py with the
+flags of the former ALFWorld demo, DEMO_SFT_FLAGS, and the scripted annotator, built once, a few minutes;
+./run.sh's demo is now the Sokoban testbed). From the base model (`--init ''`) no analysis parses, so
+SEED's re-scoring never runs and the ratio measures nothing of SEED.
 
 Each child also records each phase's peak resident memory (Linux VmHWM, reset before the phase) into
 <run>/bench_memory.json (bench/memory.py --validate reads it). Engine start-up is not in the update time.
 
-    .venv/bin/python bench/update_cost.py            # 3 repeats of the demo config: 11 min on 2 idle cores
+    .venv/bin/python bench/update_cost.py            # 3 repeats of the ALFWorld config: 11 min on 2 idle cores
     .venv/bin/python bench/update_cost.py --repeats 5 --max_steps 8 -- --lr 1e-5
 Arguments after `--` go to every seed.py run unchanged.
 """
@@ -44,11 +44,10 @@ SHARED = ("collect", "logprobs", "update", "push")   # the same work in both run
 ADDED = ("analyze", "rescore")                        # SEED's own phases
 NOISE_LIMIT = 0.15    # shared phases may differ by this share before a run is noise-dominated
 MIN_SHARE = 0.10      # ... counting each shared phase that is at least this share of grpo's update
-DEMO_SFT = os.path.join(common.ROOT, "runs", "demo-sft")      # ./run.sh's Stage 1
-BENCH_SFT = os.path.join(common.BENCH_CACHE, "demo-sft")       # the same Stage 1, built here when missing
+BENCH_SFT = os.path.join(common.BENCH_CACHE, "demo-sft")       # the ALFWorld Stage 1, built here when missing
 DEMO_SFT_FLAGS = ["--tasks", "4", "--k0", "2", "--max_steps", "4", "--history_length", "1", "--max_tokens", "64",
                   "--analyzer_max_tokens", "192", "--epochs", "2", "--lr", "2e-4", "--batch_size", "2",
-                  "--micro_batch_size", "1"]                   # ./run.sh demo's sft.py flags
+                  "--micro_batch_size", "1"]                   # the former ALFWorld demo's sft.py flags
 
 
 # ----------------------------------------------------------------------------- the child: seed.py, instrumented
@@ -56,6 +55,8 @@ DEMO_SFT_FLAGS = ["--tasks", "4", "--k0", "2", "--max_steps", "4", "--history_le
 def child(run_dir, argv):
     """Run seed.main(argv) with per-phase peak-RSS probes; write <run_dir>/bench_memory.json."""
     import analyzer
+    import grpo
+    import opd
     import rollout
     import seed
     mem = []
@@ -71,8 +72,8 @@ def child(run_dir, argv):
 
     rollout.collect = probe("collect", rollout.collect)
     analyzer.analyze = probe("analyze", analyzer.analyze)
-    seed.batch_logprobs = probe("logprobs", seed.batch_logprobs)
-    seed.rescore_rows = probe("rescore", seed.rescore_rows)
+    grpo.batch_logprobs = probe("logprobs", grpo.batch_logprobs)
+    opd.rescore_rows = probe("rescore", opd.rescore_rows)
     seed.update_policy = probe("update", seed.update_policy)
     seed.push = probe("push", seed.push)
     try:
@@ -85,23 +86,23 @@ def child(run_dir, argv):
 # ----------------------------------------------------------------------------- the parent
 
 def stage1_checkpoint(init):
-    """--init -> (checkpoint path or '', how it was chosen). 'auto': the demo's Stage 1, else the bench's copy,
-    built now when missing (sft.py, the demo's flags, the scripted annotator)."""
+    """--init -> (checkpoint path or '', how it was chosen). 'auto': the bench's ALFWorld Stage 1, built now
+    when missing (sft.py, DEMO_SFT_FLAGS, the scripted annotator)."""
     if init != "auto":
         if init and not os.path.isfile(os.path.join(init, "config.json")):
             sys.exit(f"--init {init} is not a checkpoint folder (no config.json); run sft.py (or ./run.sh) first, "
                      f"or pass --init auto")
         return init, ("given with --init" if init else
                       "the base model, no SFT: no analysis parses, so SEED's re-scoring never runs")
-    for path, how in ((DEMO_SFT, "./run.sh's Stage 1"), (BENCH_SFT, "the bench's copy of ./run.sh's Stage 1")):
-        if os.path.isfile(os.path.join(path, "stage1.json")):
-            return path, how
-    print(f"[bench] no Stage-1 checkpoint (runs/demo-sft, written by ./run.sh, or {BENCH_SFT}): building "
-          f"{BENCH_SFT} with ./run.sh's Stage-1 flags (a few minutes, once)", flush=True)
+    how = "the bench's ALFWorld Stage 1"
+    if os.path.isfile(os.path.join(BENCH_SFT, "stage1.json")):
+        return BENCH_SFT, how
+    print(f"[bench] no Stage-1 checkpoint in {BENCH_SFT}: building it with the former demo's Stage-1 flags "
+          f"(a few minutes, once)", flush=True)
     os.makedirs(common.BENCH_CACHE, exist_ok=True)
     sec = common.run_py(["sft.py", "--env", "alfworld", "--model", "smollm2-135m", "--out", BENCH_SFT,
                          "--data_dir", common.games_dir(), *DEMO_SFT_FLAGS], BENCH_SFT + ".log")
-    return BENCH_SFT, f"the bench's copy of ./run.sh's Stage 1, built now in {sec:.0f} s"
+    return BENCH_SFT, f"{how}, built now in {sec:.0f} s"
 
 
 def seed_argv(algo, args, init, run_dir, extra):
@@ -180,8 +181,8 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--init", default="auto", help="Stage-1 checkpoint ('auto' = runs/demo-sft or the bench's "
-                                                   "copy, built when missing; '' = the base model)")
+    ap.add_argument("--init", default="auto", help="Stage-1 checkpoint ('auto' = the bench's ALFWorld Stage 1, "
+                                                   "built when missing; '' = the base model)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating (grpo, seed) pairs; medians over them")
     ap.add_argument("--updates", type=int, default=1, help="updates per run (the first is not timed when > 1)")
     ap.add_argument("--tasks", type=int, default=2, help="tasks per update (B)")

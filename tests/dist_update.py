@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import grpo  # noqa: E402
 import parallel  # noqa: E402
 import rollout  # noqa: E402
 import runfolder  # noqa: E402
@@ -38,7 +39,7 @@ def fixed_rows(model, n=8):
     has = (torch.arange(n) % 3 != 0).float()
     rows = seed.Rows(prompts, responses, adv, has)
     cfg = seed.Config(micro_batch_size=3, dtype="float32")
-    own = seed.batch_logprobs(model, rows, 0, cfg, torch.device("cpu"))
+    own = grpo.batch_logprobs(model, rows, 0, cfg, torch.device("cpu"))
     rows.old = [x + 0.05 * torch.randn(len(x), generator=g) for x in own]
     rows.ref = [x + 0.2 * torch.randn(len(x), generator=g) for x in own]
     rows.skill = [x + 0.5 * torch.randn(len(x), generator=g) for x in own]
