@@ -92,7 +92,7 @@ def wrap(model, cfg, device, world, trainable=True):
         mp = MixedPrecisionPolicy()
         if device.type == "cuda":
             mp = MixedPrecisionPolicy(param_dtype=getattr(torch, resolved_dtype(cfg)), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
+        for layer in model.get_decoder().layers:   # a VL model's decoder is its language model
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         return model

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import envs
+import vision
 from parallel import gather, rank_world, unwrap
 
 CHECKPOINT = "checkpoint"   # the run's last checkpoint, inside the run folder
@@ -205,6 +206,7 @@ def save_model(model, tok, out, rank):
         return False
     unwrap(model).save_pretrained(out, state_dict=sd, safe_serialization=True)
     tok.save_pretrained(out)
+    vision.save_image_processor(tok, out)   # a vision-language model's checkpoint keeps its image processor
     return True
 
 

@@ -173,6 +173,7 @@ def test_one_update_through_seed_on_image_sokoban(tiny_vl, tmp_path, monkeypatch
         assert "loss/opd" not in m
     eps = [json.loads(x) for x in open(f"{out}/episodes/update_0000.jsonl")]
     assert len(eps) == 2 and "<image>" in eps[0]["first_prompt"]
+    assert vision.is_visual(f"{out}/checkpoint") and vision.load_processor(f"{out}/checkpoint")   # resumable
 
 
 def test_a_checkpoint_keeps_the_image_processor(tiny_vl, vl, tmp_path):
