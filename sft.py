@@ -78,6 +78,7 @@ class SFTConfig:
     micro_batch_size: int = 4          # examples per forward on one rank
     fsdp: bool = False                 # FSDP2 instead of DDP under torchrun
     gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
+    replay: int = 0                    # CPU testbed: expert tasks whose warm-start pairs join Stage 1's training
 
 
 ENV_DEFAULTS = {env: {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(SFTConfig)}}
@@ -92,8 +93,8 @@ def validate(cfg):
                                  "annotate_batch", "analyzer_max_tokens", "analyzer_max_prompt_tokens"))
     if cfg.stage not in ("analyzer", "warmup"):
         runfolder.fail(f"unknown --stage {cfg.stage!r}; choose analyzer or warmup")
-    if cfg.stage == "warmup" and cfg.env not in EXPERT_THOUGHTS:
-        runfolder.fail(f"--stage warmup needs an env with an expert: {', '.join(EXPERT_THOUGHTS)}")
+    if (cfg.stage == "warmup" or cfg.replay) and cfg.env not in EXPERT_THOUGHTS:
+        runfolder.fail(f"--stage warmup (and --replay) needs an env with an expert: {', '.join(EXPERT_THOUGHTS)}")
     if bool(cfg.analyzer_url) != bool(cfg.analyzer_model):
         runfolder.fail("the external analyzer needs both --analyzer_url and --analyzer_model")
     if cfg.env == "webshop" and not cfg.analyzer_url:
@@ -403,6 +404,12 @@ def main(argv=None):
     if not examples:
         runfolder.fail("no annotation parsed: nothing to fine-tune on (see the labels in " + cache + ")")
     train, val = split_pairs(examples, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))
+    if cfg.replay:   # the testbed's tiny model forgets the action format on analyses alone (README)
+        more = draw_tasks(probe, cfg.replay, np.random.default_rng([cfg.seed, 2]))
+        train = train + [x for t in expert_examples(cfg, tok, more) for x in t]
+        if rank == 0:
+            print(f"[sft] replay: {len(train) - len(examples) + len(val)} expert steps of {cfg.replay} tasks join "
+                  f"the training pairs", flush=True)
     if rank == 0:
         print(f"[sft] {len(episodes)} episodes (success {np.mean([e.won for e in episodes.values()]):.2f}), "
               f"{sum(v is not None for v in labels.values())} labels kept, {len(train)} training and "

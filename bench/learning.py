@@ -37,31 +37,32 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="sokoban", choices=sorted(EVAL_SPLITS))
     ap.add_argument("--algos", default="seed,grpo,static_skills", help="comma-separated seed.py --algo values")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. seeds-1 per algo")
-    ap.add_argument("--updates", type=int, default=12, help="Stage-2 updates per run")
+    ap.add_argument("--seeds", type=int, default=2, help="seeds 0 .. seeds-1 per algo")
+    ap.add_argument("--updates", type=int, default=8, help="Stage-2 updates per run")
     ap.add_argument("--tasks_per_update", type=int, default=4)
     ap.add_argument("--group_size", type=int, default=4)
     ap.add_argument("--max_steps", type=int, default=8)
-    ap.add_argument("--history_length", type=int, default=1)
+    ap.add_argument("--history_length", type=int, default=0, help="past steps in the prompt (Sokoban is Markov)")
     ap.add_argument("--max_tokens", type=int, default=48, help="response tokens per turn")
     ap.add_argument("--analyzer_max_tokens", type=int, default=256, help="SEED's analysis tokens")
     ap.add_argument("--lr", type=float, default=2e-5, help="Stage-2 learning rate, every algo")
     ap.add_argument("--kl_coef", type=float, default=0.0, help="0 skips the reference pass (CPU time)")
-    ap.add_argument("--eval_every", type=int, default=2)
-    ap.add_argument("--eval_tasks", type=int, default=32, help="held-out tasks per split")
+    ap.add_argument("--eval_every", type=int, default=4)
+    ap.add_argument("--eval_tasks", type=int, default=64, help="held-out tasks per split")
     ap.add_argument("--warmup", default="", help="warm-start checkpoint ('' = build it in the cache)")
     ap.add_argument("--stage1", default="", help="Stage-1 checkpoint ('' = build it from the warm start)")
-    ap.add_argument("--warmup_tasks", type=int, default=27, help="solver episodes of the warm start (10%% held out)")
+    ap.add_argument("--warmup_tasks", type=int, default=53, help="solver episodes of the warm start (10%% held out)")
     ap.add_argument("--warmup_lr", type=float, default=2e-4)
     ap.add_argument("--stage1_tasks", type=int, default=16, help="Stage-1 tasks (M), K0 = --stage1_k0")
     ap.add_argument("--stage1_k0", type=int, default=2)
     ap.add_argument("--stage1_lr", type=float, default=2e-4)
+    ap.add_argument("--stage1_replay", type=int, default=16, help="expert tasks replayed in Stage 1 (sft.py --replay)")
     ap.add_argument("--engine", default="vllm")
     ap.add_argument("--name", default="", help="config name ('' = from the env and sizes)")
     ap.add_argument("--report_only", action="store_true", help="only write the table and plot")
     args = ap.parse_args(argv)
     args.algos = [a for a in args.algos.split(",") if a]
-    args.name = args.name or (f"{args.env}-B{args.tasks_per_update}xN{args.group_size}-steps{args.max_steps}"
+    args.name = args.name or (f"{args.env}-B{args.tasks_per_update}xN{args.group_size}-steps{args.max_steps}-h{args.history_length}"
                               f"-u{args.updates}-lr{args.lr:g}")
     return args, extra
 
@@ -86,6 +87,7 @@ def checkpoints(args, cache):
                            "--micro_batch_size", "4"], os.path.join(cache, "warmup.log"), "learning")
         common.run_py(["sft.py", *common_env, "--model", warm, "--out", stage1, "--tasks", str(args.stage1_tasks),
                        "--k0", str(args.stage1_k0), "--epochs", "2", "--lr", str(args.stage1_lr), "--batch_size", "8",
+                       "--replay", str(args.stage1_replay),
                        "--micro_batch_size", "2"], os.path.join(cache, "stage1.log"), "learning")
     return warm, stage1
 

@@ -64,16 +64,12 @@ def test_abba_order_and_timed_updates():
     assert uc.phase_seconds(lines, skip_first=False)[0]["collect"] == 6.0
 
 
-def test_init_auto_prefers_the_demos_stage1_then_the_bench_copy(tmp_path, monkeypatch):
-    demo, copy = tmp_path / "runs" / "demo-sft", tmp_path / "cache" / "demo-sft"
-    for d in (demo, copy):
-        os.makedirs(d)
-    monkeypatch.setattr(uc, "DEMO_SFT", str(demo))
+def test_init_auto_is_the_bench_copy(tmp_path, monkeypatch):
+    copy = tmp_path / "cache" / "demo-sft"
+    os.makedirs(copy)
     monkeypatch.setattr(uc, "BENCH_SFT", str(copy))
     (copy / "stage1.json").write_text("{}")
-    assert uc.stage1_checkpoint("auto")[0] == str(copy)
-    (demo / "stage1.json").write_text("{}")
-    assert uc.stage1_checkpoint("auto") == (str(demo), "./run.sh's Stage 1")
+    assert uc.stage1_checkpoint("auto") == (str(copy), "the bench's ALFWorld Stage 1")
     assert uc.stage1_checkpoint("")[0] == ""
     with pytest.raises(SystemExit, match="not a checkpoint folder"):
         uc.stage1_checkpoint(str(tmp_path / "nowhere"))
