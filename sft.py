@@ -61,6 +61,7 @@ class SFTConfig:
     data_dir: str = ""                 # env data folder ("" = the env's default)
     retriever_url: str = "http://127.0.0.1:8000/retrieve"   # search QA retriever
     engine: str = "vllm"               # rollout engine: vllm | hf
+    image: bool = False                # image observations (a vision-language model; sokoban, ezpoints)
     dtype: str = "auto"                # engine dtype: auto | float32 | bfloat16
     analyzer_url: str = ""             # external analyzer API root (e.g. http://127.0.0.1:8001/v1); "" = scripted
     analyzer_model: str = ""           # model name the endpoint serves (GLM-5.2 in the paper)
