@@ -69,3 +69,30 @@ def test_warmup_bad_flags_stop_at_start_up(capsys):
         with pytest.raises(SystemExit):
             sft.validate(sft_config(flags))
         assert words in capsys.readouterr().err
+
+
+def test_stage1_replay_adds_the_experts_moves(tmp_path, monkeypatch):
+    """sft.py --replay k: the expert's moves on k more tasks join Stage 1's training pairs (the analyses
+    stay the validation pairs), each completion a valid action; without it the pairs are analyses only.
+    The fine-tuning itself is stopped at its start (sft.finetune patched): only the pairs are checked."""
+    seen = {}
+
+    def stop(cfg, train, val, *a):
+        seen[cfg.replay] = (train, val)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sft, "finetune", stop)
+    flags = ["--env", "sokoban", "--engine", "hf", "--tasks", "2", "--k0", "1", "--max_steps", "2",
+             "--history_length", "0", "--max_tokens", "8", "--val_fraction", "0.5"]
+    for replay in (0, 3):
+        with pytest.raises(KeyboardInterrupt):
+            sft.main(flags + ["--replay", str(replay), "--out", str(tmp_path / f"r{replay}")])
+    (plain, val0), (mixed, val3) = seen[0], seen[3]
+    assert len(plain) == 1 and len(val0) == len(val3) == 1
+    extra = [p for p in mixed if p not in plain]
+    assert len(mixed) > len(plain) and len(extra) == len(mixed) - len(plain)
+    _, tok, _ = rollout.load_model(rollout.resolve_model(rollout.EMBEDDED))
+    env = envs.make("sokoban", split="train", max_steps=2, history_length=0)
+    for _, completion in extra:
+        env.reset(seed=0)
+        assert env.step(tok.decode(completion, skip_special_tokens=True))[4]["valid"]
