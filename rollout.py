@@ -160,6 +160,9 @@ def make_engine(kind, model_path, dtype="float32", seed=0, **kw):
     The sampling seed is `seed + rank`, so ranks sample different episodes."""
     seed = seed + _rank()
     if kind == "vllm":
+        if vision.is_visual(model_path) and importlib.util.find_spec("torchvision") is None:
+            raise SystemExit(f"vLLM loads a vision-language model ({model_path}) only with torchvision installed "
+                             f"(its Qwen2-VL module imports it); the CPU set-up has none: use --engine hf")
         return VLLMEngine(model_path, dtype, seed, **kw)
     if kind == "hf":
         kw.pop("gpu_memory_utilization", None)   # a vLLM setting

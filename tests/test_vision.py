@@ -75,6 +75,23 @@ def _max_gap(model, tok, steps):
     return float((lp - ref).abs().max())
 
 
+def test_vllm_without_torchvision_stops_naming_the_problem(tiny_vl):
+    import importlib.util
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: vLLM can load the model (tests/vl_sync.py covers it on GPUs)")
+    with pytest.raises(SystemExit, match="torchvision"):
+        rollout.make_engine("vllm", tiny_vl)
+
+
+def test_image_ezpoints_collects_with_the_drawn_cards(tiny_vl, vl):
+    model, tok = vl
+    engine = rollout.make_engine("hf", tiny_vl, dtype="float32", seed=1, max_model_len=1024)
+    es = [envs.make("ezpoints", image=True, max_steps=2) for _ in range(2)]
+    steps = [s for ep in rollout.collect(engine, tok, es, [7], 2, max_tokens=6, progress=False) for s in ep.steps]
+    assert steps and all(len(s.prompt_ids.images) == 1 for s in steps)
+    assert _max_gap(model, tok, steps) < 1e-4
+
+
 def test_hf_engine_logprobs_equal_trainer_on_image_prompts_before_and_after_push(tiny_vl, vl):
     """Collect on image Sokoban; the engine's log-probs of the sampled tokens equal the trainer's (with the
     pixel values and image grids in the forward); a changed vision tower breaks that, a push restores it."""
