@@ -25,7 +25,7 @@ def main(out):
         path = build(os.path.join(tmp, "tiny-vl"))
         try:
             engine = rollout.make_engine("vllm", path, dtype="float32", seed=0, max_model_len=1024)
-        except Exception as e:
+        except (Exception, SystemExit) as e:   # SystemExit: rollout.make_engine's start-up check
             json.dump({"error": f"{type(e).__name__}: {e}"[:2000]}, open(out, "w"))
             return 1
         model, tok, _ = rollout.load_model(path)
