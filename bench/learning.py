@@ -195,7 +195,7 @@ def table(args, res, cmd):
                    f"{pm([last(r['eval']) for r in runs])} | {pm([first(r['greedy']) for r in runs])} | "
                    f"{pm([last(r['greedy']) for r in runs])} | {pm([area(r['eval']) for r in runs])} | "
                    f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | {pm(sec)} |")
-    if "seed" in res:
+    if "seed" in res and len(res) > 1:
         out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws), "
                 "at matched updates; mean ± std over the seeds both have:", ""]
         others = [a for a in res if a != "seed"]
