@@ -394,6 +394,9 @@ class ExternalAnalyzer:
 
 # ----------------------------------------------------------------------------- the skill library
 
+SKILL_FILE = "skills.jsonl"    # the skill library that sft.py writes next to its checkpoint
+
+
 class SkillLibrary:
     """Stage-1 skills, one JSON line each: {"env", "family", "task", "skill"}. `retrieve` serves the
     static_skills / skill_grpo / skill_prompt baselines: among the env's skills, the same family first
@@ -437,3 +440,11 @@ class SkillLibrary:
         q = bm25s.tokenize([task_text], return_ids=False, show_progress=False)
         docs, scores = self._index[key].retrieve(q, k=1, show_progress=False)
         return pool[int(docs[0, 0]) if scores[0, 0] > 0 else 0]["skill"]   # no shared word: the first
+
+    def for_tasks(self, env, task_ids):
+        """One skill per task of `env`'s split (the env is reset once per task to read its text and family)."""
+        out = []
+        for t in task_ids:
+            env.reset(seed=int(t))
+            out.append(self.retrieve(env.name, env.family, env.task))
+        return out

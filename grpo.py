@@ -15,8 +15,11 @@ episode (the prompt the actor saw and the response it sampled).
 
 `response_logprobs` is the one place a batch's token log-probs are computed (old, reference, skill-context
 and the training forward all go through it); `batch_logprobs` runs it over an update's rows in length-sorted
-micro-batches (the old and reference passes; opd.rescore_rows is the skill-context one).
+micro-batches (the old and reference passes; opd.rescore_rows is the skill-context one). `make_rows` turns an
+update's episodes into its training `Rows` (one per step, with its advantage).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -180,6 +183,51 @@ def group_advantages(rewards, group_ids, eps=1e-6, norm="std", episode_ids=None)
     tied = (hi == lo)[gi]                                                       # [rows]
     adv = dev / (var.sqrt()[gi] + eps) if norm == "std" else dev                # [rows]
     return torch.where(tied, torch.zeros_like(adv), adv).float()
+
+
+# ----------------------------------------------------------------------------- the training rows
+
+@dataclass
+class Rows:
+    """The training rows of one update on one rank: one per step. Per-token fields are
+    lists of 1-D tensors (response length each), re-padded per micro-batch."""
+    prompts: list        # prompt token ids the actor saw
+    responses: list      # sampled response token ids
+    adv: torch.Tensor    # [rows] GRPO group advantage
+    has_skill: torch.Tensor   # [rows] 1.0 where the row's episode has a skill (OPD applies)
+    old: list = None     # log pi_old per token
+    ref: list = None     # log pi_ref per token
+    skill: list = None   # log pi_old per token under the skill-augmented context
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def take(self, idx):
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]
+        return Rows([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.adv[idx],
+                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.skill))
+
+
+def pad(seqs, R):
+    """list of 1-D tensors -> [rows, R], zero right-padding."""
+    out = torch.zeros(len(seqs), R)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = s[:R]
+    return out
+
+
+def make_rows(episodes, steps, penalty, cfg):
+    """GRPO's inputs: step rows, rewards with the invalid-action penalty, group-normalized advantages."""
+    ep_of = [e for e, ep in enumerate(episodes) for _ in ep.steps]
+    valid = [s.valid for s in steps]
+    if cfg.adv_level == "trajectory":
+        r = row_rewards([episodes[e].reward for e in ep_of], [True] * len(steps), penalty)
+        adv = group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm, episode_ids=ep_of)
+    else:
+        r = row_rewards([episodes[e].reward for e in ep_of], valid, penalty)
+        adv = group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm)
+    has = torch.tensor([1.0 if episodes[e].skill else 0.0 for e in ep_of])
+    return Rows([s.prompt_ids for s in steps], [list(s.response_ids) for s in steps], adv, has), ep_of   # ImagePrompts keep their images
 
 
 # ----------------------------------------------------------------------------- per-token loss terms

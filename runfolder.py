@@ -57,12 +57,16 @@ def fail(msg):
 
 
 def check_common(cfg, positive):
-    """The start-up checks both stages share: the env, the engine, the data folder (ALFWorld: its games found),
-    and the count fields named in `positive` (each at least 1)."""
+    """The start-up checks both stages share: the env, the engine, the dtype, --image (sokoban and ezpoints only),
+    the data folder (ALFWorld: its games found), and the count fields named in `positive` (each at least 1)."""
     if cfg.env not in envs.NAMES:
         fail(f"unknown --env {cfg.env!r}; choose one of {', '.join(envs.NAMES)}")
     if cfg.engine not in ("vllm", "hf"):
         fail(f"unknown --engine {cfg.engine!r}; choose vllm or hf")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        fail(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
+    if cfg.image and cfg.env not in ("sokoban", "ezpoints"):
+        fail(f"--image is for sokoban and ezpoints (Appendix C.3), not {cfg.env}")
     if cfg.data_dir and not os.path.exists(cfg.data_dir):
         fail(f"--data_dir {cfg.data_dir} does not exist")
     if cfg.env == "alfworld" and not cfg.data_dir:

@@ -59,9 +59,6 @@ DISTILL = ("seed", "static_skills", "opsd", "grpo_opsd", "skill_sd")   # an OPD 
 RESCORE = DISTILL + ("rlsd",)                           # needs lp_skill (the teacher: skill in context)
 NO_TRAINING = ("vanilla", "skill_prompt")               # evaluate the starting model, no update
 RLSD_EPS = 0.2   # RLSD's bound on its per-token weight, w in [1 - eps, 1 + eps] (value not given: PPO's clip)
-EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",), "search": ("test",),
-               "sokoban": ("test",), "ezpoints": ("test",)}
-SKILL_FILE = "skills.jsonl"    # the skill library that sft.py writes next to its checkpoint
 
 
 @dataclass
@@ -169,8 +166,7 @@ def rl_update(u, run):
         ids = run.train_ids                    # every training task, or the --train_fraction subset
         tasks = run.data_rng.choice(ids, size=cfg.tasks_per_update, replace=len(ids) < cfg.tasks_per_update).tolist()
         mine = tasks[rank::world]
-        ctx_skills = (library_skills(run.library, run.train_envs[0], cfg.env, mine)
-                      if cfg.algo in IN_CONTEXT else None)
+        ctx_skills = run.library.for_tasks(run.train_envs[0], mine) if cfg.algo in IN_CONTEXT else None
         episodes = rollout.collect(run.engine, run.tok, run.train_envs, mine, cfg.group_size,
                                    temperature=cfg.temperature, max_tokens=cfg.max_tokens, skills=ctx_skills,
                                    progress=main_rank)
@@ -186,7 +182,7 @@ def rl_update(u, run):
     with timed(sec, "logprobs"):
         # 3. rows, rewards, advantages
         steps = [s for ep in episodes for s in ep.steps]
-        rows, ep_of = make_rows(episodes, steps, run.train_envs[0].invalid_penalty, cfg)
+        rows, ep_of = grpo.make_rows(episodes, steps, run.train_envs[0].invalid_penalty, cfg)
         model, pad_id = run.model, run.tok.pad_token_id
         # 4. reference and old log-probs: one no-grad pass each
         if all_sum(len(rows)) > cfg.mini_batch_size:   # later mini-batches need log pi_old; one mini-batch does not
@@ -202,22 +198,8 @@ def rl_update(u, run):
         sums, norms = update_policy(model, run.opt, rows, cfg, pad_id, world, run.device, order, main_rank,
                                     u / max(cfg.updates, 1))
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
-        push(run.engine, model, run.opt)
-    return episode_metrics(episodes, stats) | loss_metrics(sums, norms, cfg.algo) | sec, records
-
-
-def make_rows(episodes, steps, penalty, cfg):
-    """GRPO's inputs: step rows, rewards with the invalid-action penalty, group-normalized advantages."""
-    ep_of = [e for e, ep in enumerate(episodes) for _ in ep.steps]
-    valid = [s.valid for s in steps]
-    if cfg.adv_level == "trajectory":
-        r = grpo.row_rewards([episodes[e].reward for e in ep_of], [True] * len(steps), penalty)
-        adv = grpo.group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm, episode_ids=ep_of)
-    else:
-        r = grpo.row_rewards([episodes[e].reward for e in ep_of], valid, penalty)
-        adv = grpo.group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm)
-    has = torch.tensor([1.0 if episodes[e].skill else 0.0 for e in ep_of])
-    return Rows([s.prompt_ids for s in steps], [list(s.response_ids) for s in steps], adv, has), ep_of   # ImagePrompts keep their images
+        rollout.push(run.engine, model, run.opt)
+    return rollout.episode_metrics(episodes, stats) | loss_metrics(sums, norms, cfg.algo) | sec, records
 
 
 def analyze(engine, tok, episodes, cfg, progress, chunk=32):
@@ -232,40 +214,6 @@ def analyze(engine, tok, episodes, cfg, progress, chunk=32):
     return stats
 
 
-def library_skills(library, env, env_name, task_ids):
-    """One library skill per task (reset an env once to read the task text and family)."""
-    out = []
-    for t in task_ids:
-        env.reset(seed=int(t))
-        out.append(library.retrieve(env_name, env.family, env.task))
-    return out
-
-
-def push(engine, model, opt=None):
-    """Weight push into this rank's engine, one tensor at a time (rollout.stream_weights: under FSDP2
-    every rank gathers each tensor in turn, never a full state dict). The gradients are freed first:
-    a sleeping engine wakes into that memory."""
-    if opt is not None:
-        opt.zero_grad(set_to_none=True)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    engine.push_weights(unwrap(model))
-
-
-def episode_metrics(episodes, stats):
-    """Rollout statistics over all ranks: success, reward, length, invalid rate, skills, parse failures."""
-    local = [(float(ep.won), ep.reward, ep.length, sum(not s.valid for s in ep.steps), bool(ep.skill))
-             for ep in episodes]
-    allep = [x for part in gather(local) for x in part]
-    n, steps = len(allep), max(sum(x[2] for x in allep), 1)
-    fails, first, tries = all_sum([stats.get(k, 0) for k in ("parse_failures", "first_try_failures", "episodes")])
-    return {"success": sum(x[0] for x in allep) / n, "reward": sum(x[1] for x in allep) / n,
-            "length": sum(x[2] for x in allep) / n, "invalid_rate": sum(x[3] for x in allep) / steps,
-            "skill_rate": sum(x[4] for x in allep) / n, "episodes": n, "rows": steps,
-            "parse_failure_rate": fails / tries if tries else float("nan"),      # after the retries
-            "first_try_failure_rate": first / tries if tries else float("nan")}  # before them
-
-
 # ----------------------------------------------------------------------------- the joint objective (Section 3.3)
 
 def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, progress=0.0):
@@ -276,7 +224,7 @@ def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, progress=0
         lp, mask, ent = grpo.response_logprobs(model, mb.prompts, mb.responses, pad_id, grad=True,
                                                entropy=cfg.ent_coef > 0)          # [rows, R]
     R = lp.shape[1]
-    padded = lambda x: None if x is None else pad(x, R).to(lp.device)
+    padded = lambda x: None if x is None else grpo.pad(x, R).to(lp.device)
     old, ref, lps = padded(mb.old), padded(mb.ref), padded(mb.skill)               # [rows, R]
     if old is None:   # one mini-batch: pi_old is exactly the weights of this forward
         old = lp.detach()
@@ -369,52 +317,10 @@ def loss_metrics(s, norms, algo):
     return out
 
 
-# ----------------------------------------------------------------------------- the training rows
-
-@dataclass
-class Rows:
-    """The training rows of one update on one rank: one per step. Per-token fields are
-    lists of 1-D tensors (response length each), re-padded per micro-batch."""
-    prompts: list        # prompt token ids the actor saw
-    responses: list      # sampled response token ids
-    adv: torch.Tensor    # [rows] GRPO group advantage
-    has_skill: torch.Tensor   # [rows] 1.0 where the row's episode has a skill (OPD applies)
-    old: list = None     # log pi_old per token
-    ref: list = None     # log pi_ref per token
-    skill: list = None   # log pi_old per token under the skill-augmented context
-
-    def __len__(self):
-        return len(self.prompts)
-
-    def take(self, idx):
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]
-        return Rows([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.adv[idx],
-                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.skill))
-
-
-def pad(seqs, R):
-    """list of 1-D tensors -> [rows, R], zero right-padding."""
-    out = torch.zeros(len(seqs), R)
-    for i, s in enumerate(seqs):
-        out[i, :len(s)] = s[:R]
-    return out
-
-
 # ----------------------------------------------------------------------------- evaluation
 
-def env_kwargs(cfg, split):
-    kw = dict(split=split, history_length=cfg.history_length, max_steps=cfg.max_steps)
-    if cfg.image:
-        kw["image"] = True
-    if cfg.env == "alfworld":
-        kw["data_dir"] = cfg.data_dir or None
-    elif cfg.env == "search":
-        kw.update(data=cfg.data_dir or None, retriever_url=cfg.retriever_url)
-    return kw
-
-
 def eval_task_ids(cfg, split, rank, world):
-    n = envs.make(cfg.env, **env_kwargs(cfg, split)).num_tasks
+    n = envs.from_config(cfg, split).num_tasks
     ids = list(range(min(cfg.eval_tasks, n) if cfg.eval_tasks else n))
     return ids[rank::world]
 
@@ -426,35 +332,16 @@ def run_eval(run, with_skill=False):
     (and the same under "eval_greedy/")."""
     cfg, out = run.cfg, {}
     runs = [("eval", cfg.eval_temperature)] + ([("eval_greedy", 0.0)] if cfg.eval_greedy else [])
-    for split in EVAL_SPLITS[cfg.env]:
+    for split in envs.EVAL_SPLITS[cfg.env]:
+        ids = run.eval_ids[split]
+        if split not in run.eval_envs:   # made once, reused by every evaluation; as many at once as in training
+            run.eval_envs[split] = [envs.from_config(cfg, split) for _ in range(min(len(ids), len(run.train_envs)))]
+        es = run.eval_envs[split]
+        skills = run.library.for_tasks(es[0], ids) if with_skill and ids else None
         for prefix, temperature in runs:
-            res = [x for part in gather(eval_episodes(run, split, temperature, with_skill)) for x in part]
-            fams = sorted({f for f, _, _, _ in res})
-            per = {f: float(np.mean([w for g, w, _, _ in res if g == f])) for f in fams}
-            mean = lambda xs: float(np.mean(xs)) if res else float("nan")
-            key = f"{prefix}/{split}"
-            out[f"{key}/success"] = mean([w for _, w, _, _ in res])
-            out[f"{key}/success_macro"] = float(np.mean(list(per.values()))) if per else float("nan")
-            out[f"{key}/length"] = mean([n for _, _, n, _ in res])
-            out[f"{key}/invalid_rate"] = sum(b for *_, b in res) / max(sum(n for _, _, n, _ in res), 1)
-            out.update({f"{key}/success_{f}": v for f, v in per.items()})
+            res = rollout.evaluate(run.engine, run.tok, es, ids, temperature, cfg.max_tokens, skills, run.rank == 0)
+            out |= rollout.eval_metrics([x for part in gather(res) for x in part], f"{prefix}/{split}")
     return out
-
-
-def eval_episodes(run, split, temperature, with_skill):
-    """One episode of each of this rank's held-out tasks of `split`. -> [(family, won, length, invalid steps)]."""
-    cfg, ids, local = run.cfg, run.eval_ids[split], []
-    n = min(len(ids), len(run.train_envs))        # as many envs at once as in training
-    if split not in run.eval_envs:   # made once, reused by every evaluation
-        run.eval_envs[split] = [envs.make(cfg.env, **env_kwargs(cfg, split)) for _ in range(n)]
-    es = run.eval_envs[split]
-    for i in range(0, len(ids), max(n, 1)):
-        chunk = ids[i:i + n]
-        skills = library_skills(run.library, es[0], cfg.env, chunk) if with_skill else None
-        eps = rollout.collect(run.engine, run.tok, es[:len(chunk)], chunk, 1, temperature=temperature,
-                              max_tokens=cfg.max_tokens, skills=skills, progress=run.rank == 0)
-        local += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps)) for ep in eps]
-    return local
 
 
 # ----------------------------------------------------------------------------- set-up: flags, the run state, the end
@@ -470,8 +357,6 @@ def validate(cfg):
         fail(f"unknown --algo {cfg.algo!r}; choose one of {', '.join(ALGOS)}")
     runfolder.check_common(cfg, ("tasks_per_update", "group_size", "max_steps", "max_tokens", "mini_batch_size",
                                  "micro_batch_size", "analyzer_max_tokens", "analyzer_max_prompt_tokens"))
-    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        fail(f"unknown --dtype {cfg.dtype!r}; choose auto, float32, bfloat16 or float16")
     if cfg.adv_norm not in ("std", "mean_norm") or cfg.adv_level not in ("step", "trajectory"):
         fail("--adv_norm must be std|mean_norm and --adv_level step|trajectory")
     if cfg.init and not os.path.isfile(os.path.join(cfg.init, "config.json")):
@@ -485,8 +370,6 @@ def validate(cfg):
             fail(f"--{name} must be 0 or more, got {getattr(cfg, name)}")
     if not 0.0 < cfg.train_fraction <= 1.0:
         fail(f"--train_fraction must be in (0, 1] (a share of the training tasks), got {cfg.train_fraction}")
-    if cfg.image and cfg.env not in ("sokoban", "ezpoints"):
-        fail(f"--image is for sokoban and ezpoints (Appendix C.3), not {cfg.env}")
 
 
 def train_subset(num_tasks, fraction, seed):
@@ -498,7 +381,7 @@ def train_subset(num_tasks, fraction, seed):
 
 
 def library_path(cfg):
-    return cfg.skill_library or os.path.join(cfg.init, SKILL_FILE)
+    return cfg.skill_library or os.path.join(cfg.init, analyzer.SKILL_FILE)
 
 
 def engine_context(cfg, model_path):
@@ -546,12 +429,12 @@ def build_run(cfg):
                                  gpu_memory_utilization=cfg.gpu_memory_utilization)
     start = runfolder.resume(cfg.out, model, opt, data_rng, engine) if resuming else 0
     n_local = cfg.tasks_per_update // world * cfg.group_size
-    train_envs = [envs.make(cfg.env, **env_kwargs(cfg, "train")) for _ in range(n_local)]
+    train_envs = [envs.from_config(cfg, "train") for _ in range(n_local)]
     train_ids = train_subset(train_envs[0].num_tasks, cfg.train_fraction, cfg.seed)
     if rank == 0 and cfg.train_fraction < 1:
         print(f"[seed] --train_fraction {cfg.train_fraction}: {len(train_ids)} of {train_envs[0].num_tasks} "
               f"training tasks", flush=True)
-    eval_ids = {s: eval_task_ids(cfg, s, rank, world) for s in EVAL_SPLITS[cfg.env]}
+    eval_ids = {s: eval_task_ids(cfg, s, rank, world) for s in envs.EVAL_SPLITS[cfg.env]}
     return Run(cfg, rank, world, device, cfg.out, tok, model, fwd, ref, opt, engine, data_rng, library,
                train_envs, train_ids, eval_ids, start=start)
 

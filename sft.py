@@ -178,7 +178,7 @@ def collect_episodes(cfg, cache, rank, world, tasks):
         engine = rollout.make_engine(cfg.engine, rollout.resolve_model(cfg.model), dtype=parallel.resolved_dtype(cfg),
                                      seed=cfg.seed, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens)
         tok = _tokenizer(cfg.model)
-        pool = [envs.make(cfg.env, **seed.env_kwargs(cfg, "train")) for _ in range(min(cfg.collect_batch, len(mine)) * cfg.k0)]
+        pool = [envs.from_config(cfg, "train") for _ in range(min(cfg.collect_batch, len(mine)) * cfg.k0)]
         for i in range(0, len(mine), cfg.collect_batch):
             js = mine[i:i + cfg.collect_batch]
             eps = rollout.collect(engine, tok, pool[:len(js) * cfg.k0], [tasks[j] for j in js], cfg.k0,
@@ -341,7 +341,7 @@ def expert_examples(cfg, tok, tasks, split="train"):
     rollout.collect builds them -> the expert's move in the env's response format (expert_response)
     + end of turn). The target is what the env receives, so each step is valid by construction (a test
     replays them). -> one list of pairs per task ([] where the expert did not win within max_steps)."""
-    env, out = envs.make(cfg.env, **seed.env_kwargs(cfg, split)), []
+    env, out = envs.from_config(cfg, split), []
     for t in tasks:
         env.reset(seed=int(t))
         pairs, won, done = [], False, False
@@ -361,7 +361,7 @@ def warmup(cfg, rank, world, device):
     (finetune: completion-only token-mean NLL). Writes an HF checkpoint, sft_log.jsonl and warmup.json."""
     t0 = time.time()
     tok = _tokenizer(cfg.model)
-    tasks = draw_tasks(envs.make(cfg.env, **seed.env_kwargs(cfg, "train")), cfg.tasks, np.random.default_rng(cfg.seed))
+    tasks = draw_tasks(envs.from_config(cfg, "train"), cfg.tasks, np.random.default_rng(cfg.seed))
     per_task = expert_examples(cfg, tok, tasks)
     train, val = split_pairs(per_task, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))   # by task
     train, val = [x for t in train for x in t], [x for t in val for x in t]
@@ -394,7 +394,7 @@ def main(argv=None):
     cache = os.path.join(cfg.out, "stage1")
     os.makedirs(cache, exist_ok=True)
     t0 = time.time()
-    probe = envs.make(cfg.env, **seed.env_kwargs(cfg, "train"))
+    probe = envs.from_config(cfg, "train")
     tasks = draw_tasks(probe, cfg.tasks, np.random.default_rng(cfg.seed))   # the same on every rank and restart
     episodes = collect_episodes(cfg, cache, rank, world, tasks)
     t_collect = time.time() - t0
@@ -432,7 +432,7 @@ def save(cfg, model, tok, episodes, labels, log, rank, world, extra):
         if labels[key] and key in episodes:
             ep = episodes[key]
             library.add(cfg.env, ep.family, ep.task, labels[key]["episode_skill"])
-    library.save(os.path.join(cfg.out, seed.SKILL_FILE))
+    library.save(os.path.join(cfg.out, analyzer.SKILL_FILE))
     with open(os.path.join(cfg.out, "sft_log.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in log)
     cfg_dict = dataclasses.asdict(cfg)

@@ -99,9 +99,10 @@ def exact_fwd_flops(cfg, n_all, n_emb, tied, batches, lens):
 
 # ----------------------------------------------------------------------------- timing
 
-def make_rows(seed_mod, sub):
+def make_rows(sub):
+    import grpo
     adv = torch.tensor(np.random.default_rng(0).standard_normal(len(sub)), dtype=torch.float32)
-    return seed_mod.Rows([r["prompt"] for r in sub], [r["response"] for r in sub], adv, torch.ones(len(sub)))
+    return grpo.Rows([r["prompt"] for r in sub], [r["response"] for r in sub], adv, torch.ones(len(sub)))
 
 
 LAYOUTS = ("row order", "length-sorted")   # --one_row adds "one row": a forward per row, no padding at all
@@ -180,7 +181,7 @@ def main(argv=None):
     cfg = seed_mod.Config(algo="seed", micro_batch_size=args.micro_batch, mini_batch_size=args.mini_batch)
     n_all, n_emb = flop_counts(model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    trows = make_rows(seed_mod, sub)
+    trows = make_rows(sub)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     pad_id = tok.pad_token_id
 

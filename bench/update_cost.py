@@ -75,7 +75,7 @@ def child(run_dir, argv):
     grpo.batch_logprobs = probe("logprobs", grpo.batch_logprobs)
     opd.rescore_rows = probe("rescore", opd.rescore_rows)
     seed.update_policy = probe("update", seed.update_policy)
-    seed.push = probe("push", seed.push)
+    rollout.push = probe("push", rollout.push)
     try:
         seed.main(argv)
     finally:

@@ -24,6 +24,8 @@ QA: exact match), 0 otherwise; the invalid-action penalty is applied by the trai
 import re
 
 NAMES = ("alfworld", "sokoban", "ezpoints", "search", "webshop")
+EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",), "search": ("test",),
+               "sokoban": ("test",), "ezpoints": ("test",)}   # the held-out splits seed.py evaluates on
 
 
 def make(name, **kwargs):
@@ -44,6 +46,18 @@ def make(name, **kwargs):
         from envs.webshop import WebShopEnv
         return WebShopEnv(**kwargs)
     raise ValueError(f"unknown env {name!r}; choose one of {', '.join(NAMES)}")
+
+
+def from_config(cfg, split):
+    """The env of a seed.py / sft.py run (cfg.env) on `split`, built from the run's flags."""
+    kw = dict(split=split, history_length=cfg.history_length, max_steps=cfg.max_steps)
+    if cfg.image:
+        kw["image"] = True
+    if cfg.env == "alfworld":
+        kw["data_dir"] = cfg.data_dir or None
+    elif cfg.env == "search":
+        kw.update(data=cfg.data_dir or None, retriever_url=cfg.retriever_url)
+    return make(cfg.env, **kw)
 
 
 def task_line(name):

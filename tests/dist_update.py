@@ -37,7 +37,7 @@ def fixed_rows(model, n=8):
                  for _ in range(n)]
     adv = torch.randn(n, generator=g)
     has = (torch.arange(n) % 3 != 0).float()
-    rows = seed.Rows(prompts, responses, adv, has)
+    rows = grpo.Rows(prompts, responses, adv, has)
     cfg = seed.Config(micro_batch_size=3, dtype="float32")
     own = grpo.batch_logprobs(model, rows, 0, cfg, torch.device("cpu"))
     rows.old = [x + 0.05 * torch.randn(len(x), generator=g) for x in own]

@@ -5,8 +5,8 @@ under pytest.
     1. memory   bench/memory.py's estimate of one update step against torch.cuda.max_memory_allocated
     2. fsdp2    one FSDP2 update on 2 GPUs equals one process (tests/dist_update.py; needs 2 GPUs)
     3. sync     bf16 engine vs trainer through the streamed push: equal within bf16 rounding before an
-                update, different after an update without a push, equal again after seed.push
-    4. sleep    sleep (level 2) frees the engine's share; an update; seed.push wakes weights, pushes,
+                update, different after an update without a push, equal again after rollout.push
+    4. sleep    sleep (level 2) frees the engine's share; an update; rollout.push wakes weights, pushes,
                 wakes the KV cache; the engine generates with the new weights
     5. visual   a tiny Qwen2.5-VL in vLLM on image Sokoban: multimodal prompts, engine vs trainer log-probs
                 equal in float32 before and after a push of every weight, vision tower included (tests/vl_sync.py)
@@ -112,26 +112,26 @@ def _step(model, prompt):
 
 
 def check_sync(state):
-    import seed
+    import rollout
     engine, model, tok, prompt = state
     before = _max_diff(engine, model, tok, prompt)
     opt = _step(model, prompt)
     stale = _max_diff(engine, model, tok, prompt)
-    seed.push(engine, model, opt)
+    rollout.push(engine, model, opt)
     after = _max_diff(engine, model, tok, prompt)
     ok = before <= BF16_FLOOR and after <= BF16_FLOOR and stale > max(1.0, 3 * after)
     return ok, f"max |diff| before {before:.3f}, after an update without push {stale:.3f}, after push {after:.3f}"
 
 
 def check_sleep(state, util=0.3):
-    import seed
+    import rollout
     engine, model, tok, prompt = state
     total = torch.cuda.mem_get_info()[1]
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
     freed = torch.cuda.mem_get_info()[0] - free_awake
     opt = _step(model, prompt)
-    seed.push(engine, model, opt)            # wake weights -> push -> wake KV cache
+    rollout.push(engine, model, opt)            # wake weights -> push -> wake KV cache
     diff = _max_diff(engine, model, tok, prompt)
     back = free_awake - torch.cuda.mem_get_info()[0]
     ok = freed >= 0.5 * util * total and diff <= BF16_FLOOR and not engine.asleep
@@ -141,7 +141,7 @@ def check_sleep(state, util=0.3):
 
 def check_visual():
     """tests/vl_sync.py in a child process (its own vLLM engine): a tiny Qwen2.5-VL on image Sokoban, float32,
-    engine vs trainer log-probs before, stale without a push, equal again after seed.push (vision tower too)."""
+    engine vs trainer log-probs before, stale without a push, equal again after rollout.push (vision tower too)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "vl.json")
         p = subprocess.run([sys.executable, "tests/vl_sync.py", out], cwd=ROOT, capture_output=True, text=True,

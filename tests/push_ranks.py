@@ -2,7 +2,7 @@
 `torchrun --nproc_per_node=2 tests/push_ranks.py OUT.json`: two gloo ranks shard the embedded model with
 fully_shard (parallel.wrap), each rank has its own float32 vLLM engine; the engine's log-probs of its own
 sample are compared with the sharded trainer's before an optimizer step, after it without a push, and after
-seed.push (the streamed push: one gathered tensor at a time). Rank 0 writes every rank's numbers."""
+rollout.push (the streamed push: one gathered tensor at a time). Rank 0 writes every rank's numbers."""
 import json
 import os
 import sys
@@ -44,7 +44,7 @@ def main(out):
             streamed.append([name, list(t.shape), type(t).__name__])
             yield name, t
     rollout.stream_weights = recording
-    seed.push(engine, model, opt)
+    rollout.push(engine, model, opt)
     after = max_diff()
     mine = {"rank": rank, "before": before, "stale": stale, "after": after, "streamed": streamed,
             "sharded": sharded,

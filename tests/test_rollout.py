@@ -181,13 +181,18 @@ def test_evaluate_metrics(tokenizer):
 
     envs = [ToyEnv(max_steps=4) for _ in range(4)]
     tasks = list(range(9))
-    m = rollout.evaluate(ScriptedEngine(tokenizer, expert), tokenizer, envs, tasks)
-    assert m["success"] == m["success_macro"] == m["success/low"] == m["success/high"] == 1.0
-    assert len(m["episodes"]) == 9 and 1 <= m["length"] <= 4
-    m = rollout.evaluate(ScriptedEngine(tokenizer, lambda p: "<action>guess 1</action>"), tokenizer, envs, tasks)
-    assert m["success/low"] == 0.25 and m["success/high"] == 0.0
-    assert m["success"] == pytest.approx(1 / 9) and m["success_macro"] == pytest.approx(0.125)
-    assert m["length"] == pytest.approx((1 + 8 * 4) / 9)
+    res = rollout.evaluate(ScriptedEngine(tokenizer, expert), tokenizer, envs, tasks)
+    assert len(res) == 9 and all(won == 1.0 and bad == 0 for _, won, _, bad in res)
+    m = rollout.eval_metrics(res, "eval/test")
+    assert m["eval/test/success"] == m["eval/test/success_macro"] == m["eval/test/success_low"] == 1.0
+    assert m["eval/test/success_high"] == 1.0 and 1 <= m["eval/test/length"] <= 4
+    assert m["eval/test/invalid_rate"] == 0.0
+    m = rollout.eval_metrics(rollout.evaluate(ScriptedEngine(tokenizer, lambda p: "<action>guess 1</action>"),
+                                              tokenizer, envs, tasks), "eval/test")
+    assert m["eval/test/success_low"] == 0.25 and m["eval/test/success_high"] == 0.0
+    assert m["eval/test/success"] == pytest.approx(1 / 9) and m["eval/test/success_macro"] == pytest.approx(0.125)
+    assert m["eval/test/length"] == pytest.approx((1 + 8 * 4) / 9)
+    assert math.isnan(rollout.eval_metrics([], "eval/test")["eval/test/success"])   # no tasks: nan, not 0
 
 
 def _torchrun(script, out):
@@ -217,7 +222,7 @@ def test_two_ranks_sample_different_episodes(tmp_path):
 
 def test_fsdp2_streamed_push_keeps_each_engine_in_sync(tmp_path):
     """The weight-sync check, FSDP2 variant: 2 gloo ranks, a sharded trainer, one float32 engine per rank.
-    Equal before an update, stale after an optimizer step, equal after seed.push; what the engine got
+    Equal before an update, stale after an optimizer step, equal after rollout.push; what the engine got
     was a stream of full plain tensors in the same order on both ranks, and the gradients were freed."""
     out = tmp_path / "push.json"
     proc = _torchrun("push_ranks.py", out)

@@ -282,7 +282,7 @@ def test_checkpoint_reloads_and_evaluates(grpo_run):
     engine = rollout.make_engine("hf", ckpt, dtype="float32", max_model_len=2048)
     res = rollout.evaluate(engine, tok, [envs.make("sokoban", split="test", max_steps=2) for _ in range(2)],
                            [0, 1], max_tokens=16)
-    assert 0.0 <= res["success"] <= 1.0 and len(res["episodes"]) == 2
+    assert len(res) == 2 and 0.0 <= rollout.eval_metrics(res, "eval/test")["eval/test/success"] <= 1.0
 
 
 # ----------------------------------------------------------------------------- DDP and FSDP2 equal one process
@@ -368,7 +368,7 @@ def test_micro_loss_opd_over_skill_tokens_and_rlsd_weights(smol):
     with torch.no_grad():
         lp, mask, _ = grpo.response_logprobs(model, rows.prompts, rows.responses, tok.pad_token_id)   # [4, R]
     R = lp.shape[1]
-    old, ls = seed.pad(rows.old, R), seed.pad(rows.skill, R)
+    old, ls = grpo.pad(rows.old, R), grpo.pad(rows.skill, R)
     skill = rows.has_skill[:, None] * mask
     pg = grpo.policy_loss(lp, old, rows.adv, mask)                                               # [4, R]
     l_grpo, _ = loss("grpo")

@@ -32,7 +32,7 @@ def test_warmup_targets_replay_valid_and_win(env_name, split, tasks, tokenizer):
     cfg.data_dir = kw.get("data_dir", "")
     per_task = sft.expert_examples(cfg, tokenizer, list(tasks), split)
     assert all(per_task), "the expert failed a task"
-    env = envs.make(env_name, **seed.env_kwargs(cfg, split))
+    env = envs.from_config(cfg, split)
     for task, pairs in zip(tasks, per_task):
         env.reset(seed=task)
         for k, (prompt, completion) in enumerate(pairs):

@@ -2,7 +2,7 @@
 as `python tests/vl_sync.py OUT.json`: a tiny Qwen2.5-VL (tests/tiny_vl.py) in float32, vLLM collects on image
 Sokoban (multimodal prompts: one placeholder per image plus the image), and its log-probs of the sampled tokens
 are compared with the trainer's (pixel values and image grids in the forward) before a change of the weights,
-after it without a push, and after seed.push (vision tower included). Writes the three gaps to OUT.json. On
+after it without a push, and after rollout.push (vision tower included). Writes the three gaps to OUT.json. On
 the CPU build here vLLM cannot load Qwen2.5-VL (no torchvision): the error is what OUT.json records."""
 import json
 import os
@@ -14,7 +14,6 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 import rollout  # noqa: E402
-import seed  # noqa: E402
 from test_vision import _collect, _max_gap  # noqa: E402
 from tiny_vl import build  # noqa: E402
 
@@ -35,7 +34,7 @@ def main(out):
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
         gaps["stale"] = _max_gap(model, tok, [s for ep in _collect(engine, tok, seed=1) for s in ep.steps])
-        seed.push(engine, model)
+        rollout.push(engine, model)
         gaps["after"] = _max_gap(model, tok, [s for ep in _collect(engine, tok, seed=2) for s in ep.steps])
         engine.close()
     json.dump(gaps, open(out, "w"))
