@@ -407,10 +407,10 @@ def main(argv=None):
     train, val = split_pairs(examples, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))
     if cfg.replay:   # the testbed's tiny model forgets the action format on analyses alone (README)
         more = draw_tasks(probe, cfg.replay, np.random.default_rng([cfg.seed, 2]))
-        train = train + [x for t in expert_examples(cfg, tok, more) for x in t]
+        replay = [x for t in expert_examples(cfg, tok, more) for x in t]
+        train = train + replay
         if rank == 0:
-            print(f"[sft] replay: {len(train) - len(examples) + len(val)} expert steps of {cfg.replay} tasks join "
-                  f"the training pairs", flush=True)
+            print(f"[sft] replay: {len(replay)} expert steps of {cfg.replay} tasks join the training pairs", flush=True)
     if rank == 0:
         print(f"[sft] {len(episodes)} episodes (success {np.mean([e.won for e in episodes.values()]):.2f}), "
               f"{sum(v is not None for v in labels.values())} labels kept, {len(train)} training and "
