@@ -23,6 +23,12 @@ setup() {
   key=$(cat "$req" requirements-extra.txt | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then return; fi
   echo "[setup] installing $req into $VENV (first use; about 5-10 minutes on 2 cores)" >&2
+  local free_gb
+  free_gb=$(df -Pk "$(dirname "$VENV")" | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt 8 ]; then
+    echo "[setup] warning: ${free_gb} GB free where $VENV goes; the CPU set-up needs about 8 GB" \
+      "(4 GB in the venv, the rest while pip unpacks), and the test suite about 5 GB more under /tmp" >&2
+  fi
   local t0=$SECONDS
   [ -x "$PY" ] || python3 -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
