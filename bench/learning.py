@@ -38,10 +38,11 @@ def parse_args(argv):
     ap.add_argument("--env", default="sokoban", choices=sorted(EVAL_SPLITS))
     ap.add_argument("--algos", default="seed,grpo,static_skills", help="comma-separated seed.py --algo values")
     ap.add_argument("--seeds", type=int, default=2, help="seeds 0 .. seeds-1 per algo")
-    ap.add_argument("--updates", type=int, default=8, help="Stage-2 updates per run")
+    ap.add_argument("--updates", type=int, default=12, help="Stage-2 updates per run")
     ap.add_argument("--tasks_per_update", type=int, default=4)
     ap.add_argument("--group_size", type=int, default=4)
-    ap.add_argument("--max_steps", type=int, default=8)
+    ap.add_argument("--max_steps", type=int, default=4,
+                    help="steps per episode; Sokoban rooms need at most this many moves (README: why 4)")
     ap.add_argument("--history_length", type=int, default=0, help="past steps in the prompt (Sokoban is Markov)")
     ap.add_argument("--max_tokens", type=int, default=48, help="response tokens per turn")
     ap.add_argument("--analyzer_max_tokens", type=int, default=256, help="SEED's analysis tokens")
