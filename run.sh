@@ -24,8 +24,8 @@ setup() {
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then return; fi
   echo "[setup] installing $req into $VENV (first use; about 5-10 minutes on 2 cores)" >&2
   local free_gb
-  free_gb=$(df -Pk "$(dirname "$VENV")" | awk 'NR==2 {print int($4 / 1048576)}')
-  if [ "$free_gb" -lt 8 ]; then
+  free_gb=$(df -Pk "$(dirname "$VENV")" 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}') || true
+  if [ "${free_gb:-8}" -lt 8 ]; then
     echo "[setup] warning: ${free_gb} GB free where $VENV goes; the CPU set-up needs about 8 GB" \
       "(4 GB in the venv, the rest while pip unpacks), and the test suite about 5 GB more under /tmp" >&2
   fi
