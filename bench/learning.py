@@ -25,10 +25,12 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import envs  # noqa: E402
 from bench import common  # noqa: E402
 
 RESULTS = os.path.join(common.ROOT, "bench", "learning_results")
-EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "sokoban": ("test",), "ezpoints": ("test",)}
+# the envs with an expert for the warm start (sft.EXPERT_THOUGHTS), and the held-out splits seed.py evaluates
+EVAL_SPLITS = {e: envs.EVAL_SPLITS[e] for e in ("alfworld", "sokoban", "ezpoints")}
 
 
 def parse_args(argv):
