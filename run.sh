@@ -53,7 +53,7 @@ setup() {
 demo() {
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
   local t0=$SECONDS
-  local sizes=(--env sokoban --max_steps 8 --history_length 0 --max_tokens 48)
+  local sizes=(--env sokoban --max_steps 4 --history_length 0 --max_tokens 48)
   if [ ! -f runs/demo-warmup/warmup.json ]; then
     echo "[demo] warm start: clone the solver's moves on 27 training rooms (3 held out)" >&2
     "$PY" sft.py --stage warmup "${sizes[@]}" --out runs/demo-warmup --tasks 27 --val_fraction 0.1 \
@@ -67,7 +67,7 @@ demo() {
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out rooms before and after" >&2
   "$PY" seed.py "${sizes[@]}" --init runs/demo-sft --algo seed --out runs/demo-seed --resume --updates 3 \
-    --tasks_per_update 2 --group_size 4 --analyzer_max_tokens 256 --lr 2e-5 --kl_coef 0 \
+    --tasks_per_update 4 --group_size 4 --analyzer_max_tokens 256 --lr 2e-5 --kl_coef 0 \
     --eval_first --eval_every 3 --eval_tasks 32 --save_every 1 "$@"
   echo
   echo "[demo] finished in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
