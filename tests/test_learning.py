@@ -41,3 +41,12 @@ def test_table_pairs_seeds_and_stops_at_the_update_every_run_reached(tmp_path, m
     assert "| 0 | 0.000 ± 0.000 |" in md and "| 4 |" not in md
     assert os.path.getsize(tmp_path / "results" / args.name / "curves.png") > 10_000
     assert [len(r["lines"]) for r in res["grpo"]] == [4, 3]
+
+
+def test_sokoban_chance_is_exact_at_one_step():
+    """With a 1-step budget every room is a one-push room with a single winning move: a uniform mover wins
+    exactly a quarter of them, and the four repeated moves win each room exactly once between them."""
+    from bench import sokoban_chance
+    uniform, by_plan, constant = sokoban_chance.chance(1, 8)
+    assert uniform == 0.25 and list(by_plan) == [1] and by_plan[1][1] == 8
+    assert abs(sum(constant.values()) - 1.0) < 1e-12
