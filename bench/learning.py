@@ -276,13 +276,18 @@ def main(argv=None):
     os.makedirs(cache, exist_ok=True)
     cmd = "bench/learning.py " + " ".join(argv)
     if not args.report_only:
-        warm, stage1 = checkpoints(args, cache)
+        warm, stage1 = args.warmup or os.path.join(cache, "warmup"), args.stage1 or os.path.join(cache, "stage1")
         shared = seed_argv(args, stage1, extra)
+        built = {k: getattr(args, k) for k in ("warmup_tasks", "warmup_lr", "stage1_tasks", "stage1_k0", "stage1_lr",
+                                               "stage1_replay")}   # the config name does not hold these
         saved = os.path.join(cache, "bench_config.json")
-        if os.path.exists(saved) and json.load(open(saved))["seed_argv"] != shared:
-            sys.exit(f"{cache} holds runs made with other seed.py flags ({saved}); pass another --name")
+        old = json.load(open(saved)) if os.path.exists(saved) else {}
+        if old and (old["seed_argv"] != shared or old.get("checkpoint_flags", built) != built):
+            sys.exit(f"{cache} holds runs made with other flags ({saved}); pass another --name")
+        checkpoints(args, cache)
         with open(saved, "w") as f:
-            json.dump({"seed_argv": shared, "warmup": warm, "stage1": stage1, "machine": common.machine()}, f, indent=2)
+            json.dump({"seed_argv": shared, "checkpoint_flags": built, "warmup": warm, "stage1": stage1,
+                       "machine": common.machine()}, f, indent=2)
         run_all(args, cache, shared)
     return report(args, cache, cmd)
 

@@ -50,3 +50,21 @@ def test_sokoban_chance_is_exact_at_one_step():
     uniform, by_plan, constant = sokoban_chance.chance(1, 8)
     assert uniform == 0.25 and list(by_plan) == [1] and by_plan[1][1] == 8
     assert abs(sum(constant.values()) - 1.0) < 1e-12
+
+
+def test_a_cache_built_with_other_warm_start_flags_stops_before_anything_runs(tmp_path, monkeypatch):
+    """The config name holds the Stage-2 sizes only; a cached config whose warm start or Stage 1 was built
+    with other flags must not be reused silently."""
+    import pytest
+    from bench import common
+    monkeypatch.setattr(common, "BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(learning, "checkpoints", lambda *a: pytest.fail("checkpoints built before the check"))
+    args, extra = learning.parse_args([])
+    cache = tmp_path / "learning" / args.name
+    cache.mkdir(parents=True)
+    shared = learning.seed_argv(args, str(cache / "stage1"), extra)
+    flags = {"warmup_tasks": 53, "warmup_lr": 2e-4, "stage1_tasks": 16, "stage1_k0": 2, "stage1_lr": 2e-4,
+             "stage1_replay": 16}
+    (cache / "bench_config.json").write_text(json.dumps({"seed_argv": shared, "checkpoint_flags": flags}))
+    with pytest.raises(SystemExit, match="other flags"):
+        learning.main(["--warmup_tasks", "400"])
