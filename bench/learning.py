@@ -72,14 +72,13 @@ def parse_args(argv):
 
 # ----------------------------------------------------------------------------- building and running
 
-def checkpoints(args, cache):
-    """The warm start and the Stage-1 checkpoint every run starts from (built once into the cache)."""
+def checkpoints(args, cache, warm, stage1):
+    """Build the warm start `warm` and the Stage-1 checkpoint `stage1` every run starts from, once, unless
+    given (--warmup / --stage1) or already in the cache."""
     common_env = ["--env", args.env, "--max_steps", str(args.max_steps), "--history_length", str(args.history_length),
                   "--max_tokens", str(args.max_tokens), "--engine", args.engine]
     if args.env == "alfworld":
         common_env += ["--data_dir", common.games_dir()]
-    warm = args.warmup or os.path.join(cache, "warmup")
-    stage1 = args.stage1 or os.path.join(cache, "stage1")
     for path in (args.warmup, args.stage1):
         if path and not os.path.isfile(os.path.join(path, "config.json")):
             sys.exit(f"{path} is not a checkpoint folder (no config.json)")
@@ -92,7 +91,6 @@ def checkpoints(args, cache):
                        "--k0", str(args.stage1_k0), "--epochs", "2", "--lr", str(args.stage1_lr), "--batch_size", "8",
                        "--replay", str(args.stage1_replay),
                        "--micro_batch_size", "2"], os.path.join(cache, "stage1.log"), "learning")
-    return warm, stage1
 
 
 def seed_argv(args, stage1, extra):
@@ -284,7 +282,7 @@ def main(argv=None):
         old = json.load(open(saved)) if os.path.exists(saved) else {}
         if old and (old["seed_argv"] != shared or old.get("checkpoint_flags", built) != built):
             sys.exit(f"{cache} holds runs made with other flags ({saved}); pass another --name")
-        checkpoints(args, cache)
+        checkpoints(args, cache, warm, stage1)
         with open(saved, "w") as f:
             json.dump({"seed_argv": shared, "checkpoint_flags": built, "warmup": warm, "stage1": stage1,
                        "machine": common.machine()}, f, indent=2)

@@ -32,10 +32,10 @@ def chance(max_steps, tasks):
     """-> (uniform success, {plan length: uniform success}, {move: success of that move repeated})."""
     env = SokobanEnv("test", max_steps=max_steps, history_length=0)
     uniform, by_plan, constant = [], {}, {a: 0 for a in ACTIONS}
+    seqs = list(itertools.product(ACTIONS, repeat=max_steps))
     for t in range(tasks):
         env.reset(seed=t)
         plan = len(env.room["plan"])
-        seqs = list(itertools.product(ACTIONS, repeat=max_steps))
         p = sum(won(env, t, s) for s in seqs) / len(seqs)
         uniform.append(p)
         by_plan.setdefault(plan, []).append(p)
