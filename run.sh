@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SEED: set-up on first use, then the recipes.
-#   ./run.sh            the embedded CPU run (the Sokoban testbed: warm start, Stage 1, a short Stage 2)
+#   ./run.sh            the embedded CPU run (the EZPoints testbed: warm start, Stage 1, a short Stage 2)
 #   ./run.sh test       the test suite (extra arguments go to pytest)
 #   ./run.sh setup      only install
 #   ./run.sh alfworld|webshop|search|sokoban|ezpoints    the paper's recipe on 8 GPUs
@@ -46,26 +46,26 @@ setup() {
 
 # ----------------------------------------------------------------------------- recipes
 
-# The embedded run, the CPU testbed of README: SmolLM2-135M on Sokoban. A warm start (behaviour cloning on
-# the solver's moves: not part of the method, README says why), Stage 1 with the scripted analyzer, then a
-# short Stage 2 of SEED evaluated on held-out rooms before and after (at most 20 minutes on 2 cores).
+# The embedded run, the CPU testbed of README: SmolLM2-135M on EZPoints. A warm start (behaviour cloning on
+# the solver's formulas: not part of the method, README says why), Stage 1 with the scripted analyzer, then a
+# short Stage 2 of SEED evaluated on held-out card pairs before and after (at most 20 minutes on 2 cores).
 # Running it again reuses the checkpoints and continues the Stage-2 run.
 demo() {
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
   local t0=$SECONDS
-  local sizes=(--env sokoban --max_steps 4 --history_length 0 --max_tokens 48)
+  local sizes=(--env ezpoints --max_steps 5 --history_length 0 --max_tokens 48)
   if [ ! -f runs/demo-warmup/warmup.json ]; then
-    echo "[demo] warm start: clone the solver's moves on 27 training rooms (3 held out)" >&2
-    "$PY" sft.py --stage warmup "${sizes[@]}" --out runs/demo-warmup --tasks 27 --val_fraction 0.1 \
-      --epochs 1 --lr 2e-4 --batch_size 8 --micro_batch_size 4
+    echo "[demo] warm start: clone the solver's formulas on ${DEMO_WARMUP_TASKS:-24} training card pairs (10% held out)" >&2
+    "$PY" sft.py --stage warmup "${sizes[@]}" --out runs/demo-warmup --tasks "${DEMO_WARMUP_TASKS:-24}" \
+      --val_fraction 0.1 --epochs 1 --lr 2e-4 --batch_size 8 --micro_batch_size 4
   fi
   if [ ! -f runs/demo-sft/stage1.json ]; then
     echo "[demo] Stage 1: the warm-started policy plays, scripted analyses, fine-tune the analyzer" \
-      "(with the solver's moves on 8 more rooms, so that the action format survives)" >&2
+      "(with the solver's formulas on 8 more card pairs, so that the action format survives)" >&2
     "$PY" sft.py "${sizes[@]}" --model runs/demo-warmup --out runs/demo-sft --tasks 4 --k0 2 \
       --analyzer_max_tokens 256 --epochs 2 --lr 2e-4 --batch_size 8 --micro_batch_size 2 --replay 8
   fi
-  echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out rooms before and after" >&2
+  echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out card pairs before and after" >&2
   "$PY" seed.py "${sizes[@]}" --init runs/demo-sft --algo seed --out runs/demo-seed --resume --updates 3 \
     --tasks_per_update 4 --group_size 4 --analyzer_max_tokens 256 --lr 2e-5 --kl_coef 0 \
     --eval_first --eval_every 3 --eval_tasks 32 --save_every 1 "$@"
@@ -77,7 +77,7 @@ lines = [json.loads(x) for x in open("runs/demo-seed/metrics.jsonl") if x.strip(
 ev = [m for m in lines if "eval/test/success" in m]
 if len(ev) >= 2:
     a, b = ev[0], ev[-1]
-    print(f"[demo] held-out (32 rooms, T=0.4): success {a['eval/test/success']:.3f} -> {b['eval/test/success']:.3f}, "
+    print(f"[demo] held-out (32 card pairs, T=0.4): success {a['eval/test/success']:.3f} -> {b['eval/test/success']:.3f}, "
           f"valid actions {1 - a['eval/test/invalid_rate']:.3f} -> {1 - b['eval/test/invalid_rate']:.3f}, "
           f"episode length {a['eval/test/length']:.2f} -> {b['eval/test/length']:.2f} "
           f"(before Stage 2 -> after {b['update'] + 1} updates)")

@@ -319,20 +319,24 @@ def finetune(cfg, examples, val, rank, world, device):
 EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env with an expert
     "alfworld": "To complete the task, my next step is to {action}.",
     "sokoban": "On the shortest way to push the box onto the target, my next move is {action}.",
-    "ezpoints": "To build a formula that equals 12, the next token is {action}.",
+    # the solution, then the formula so far, whose next token in the solution is the action (README, "The demo")
+    "ezpoints": "{solution} = 12. The formula so far is {formula}, so the next token is {action}.",
 }
 
 
 def expert_response(env):
-    """The expert's next action (env.expert_action) as a response in the env's format, after a short thought:
-    EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
+    """The expert's next action (env.expert_action) as a response in the env's format, after a short thought
+    (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so that the action is the solution's
+    next token): EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
     <think>...</think><action>...</action>. None when the expert has no move here."""
     action = env.expert_action()
     if action is None:
         return None
-    thought = EXPERT_THOUGHTS[env.name].format(action=action)
     if env.name == "ezpoints":
+        thought = EXPERT_THOUGHTS["ezpoints"].format(solution=" ".join(env.expert_formula()), action=action,
+                                                     formula=" ".join(env.formula) or "empty")
         return json.dumps({"thoughts": thought, "action": action})
+    thought = EXPERT_THOUGHTS[env.name].format(action=action)
     return f"<think>{thought}</think><action>{action}</action>"
 
 

@@ -275,15 +275,20 @@ class EZPointsEnv(gym.Env):
         return [render_cards(self.cards, self.formula)]
 
     # -- contract extras
-    def expert_action(self):
-        """Next token of a solution that extends the current formula; None when none does."""
+    def expert_formula(self):
+        """The first solution (token list, `=` excluded) that extends the current formula; None when none does."""
         if self.cards is None or self.done:
             return None
         n = len(self.formula)
-        for sol in solutions(self.values):
-            if sol[:n] == self.formula:
-                return sol[n] if n < len(sol) else "="
-        return None
+        return next((sol for sol in solutions(self.values) if sol[:n] == self.formula), None)
+
+    def expert_action(self):
+        """Next token of expert_formula(): its next token, or `=` once it is written; None when none extends it."""
+        sol = self.expert_formula()
+        if sol is None:
+            return None
+        n = len(self.formula)
+        return sol[n] if n < len(sol) else "="
 
     def prompt(self):
         """The authors' EZPoints template structure (one form at every step, no history: the formula is the
