@@ -55,15 +55,15 @@ demo() {
   local t0=$SECONDS
   local sizes=(--env ezpoints --max_steps 5 --history_length 0 --max_tokens 48)
   if [ ! -f runs/demo-warmup/warmup.json ]; then
-    echo "[demo] warm start: clone the solver's formulas on ${DEMO_WARMUP_TASKS:-24} training card pairs (10% held out)" >&2
-    "$PY" sft.py --stage warmup "${sizes[@]}" --out runs/demo-warmup --tasks "${DEMO_WARMUP_TASKS:-24}" \
+    echo "[demo] warm start: clone the solver's formulas on 16 training card pairs (10% held out)" >&2
+    "$PY" sft.py --stage warmup "${sizes[@]}" --out runs/demo-warmup --tasks 16 \
       --val_fraction 0.1 --epochs 1 --lr 2e-4 --batch_size 8 --micro_batch_size 4
   fi
   if [ ! -f runs/demo-sft/stage1.json ]; then
     echo "[demo] Stage 1: the warm-started policy plays, scripted analyses, fine-tune the analyzer" \
-      "(with the solver's formulas on 8 more card pairs, so that the action format survives)" >&2
+      "(with the solver's formulas on 4 more card pairs, so that the action format survives)" >&2
     "$PY" sft.py "${sizes[@]}" --model runs/demo-warmup --out runs/demo-sft --tasks 4 --k0 2 \
-      --analyzer_max_tokens 256 --epochs 2 --lr 2e-4 --batch_size 8 --micro_batch_size 2 --replay 8
+      --analyzer_max_tokens 256 --epochs 2 --lr 2e-4 --batch_size 8 --micro_batch_size 2 --replay 4
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out card pairs before and after" >&2
   "$PY" seed.py "${sizes[@]}" --init runs/demo-sft --algo seed --out runs/demo-seed --resume --updates 3 \

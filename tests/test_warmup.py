@@ -96,3 +96,21 @@ def test_stage1_replay_adds_the_experts_moves(tmp_path, monkeypatch):
     for _, completion in extra:
         env.reset(seed=0)
         assert env.step(tok.decode(completion, skip_special_tokens=True))[4]["valid"]
+
+
+def test_ezpoints_thought_states_the_solution_and_the_formula_so_far():
+    """EZPoints' warm-start thought: a solution that equals 12, the formula so far, then that solution's next
+    token as the action (`=` once the formula is the whole solution)."""
+    from envs import ezpoints
+    env = envs.make("ezpoints", max_steps=5, history_length=0)
+    for task in range(12):
+        env.reset(seed=task)
+        while not env.done:
+            answer = json.loads(sft.expert_response(env))
+            solution, rest = answer["thoughts"].split(" = 12. The formula so far is ")
+            so_far, action = rest.rsplit(", so the next token is ", 1)
+            assert ezpoints.evaluate(solution.split()) == 12
+            assert so_far == (" ".join(env.formula) or "empty") and solution.startswith(" ".join(env.formula))
+            assert action == answer["action"] + "." and answer["action"] == env.expert_action()
+            env.step(json.dumps(answer))
+        assert env.formula == solution.split()
