@@ -48,7 +48,7 @@ setup() {
 
 # The embedded run, the CPU testbed of README: SmolLM2-135M on EZPoints. A warm start (behaviour cloning on
 # the solver's formulas: not part of the method, README says why), Stage 1 with the scripted analyzer, then a
-# short Stage 2 of SEED evaluated on held-out card pairs before and after (32 min on 2 Zen 3 cores, README).
+# short Stage 2 of SEED evaluated on held-out card pairs before and after (17 min on 2 Zen 5 cores, 32 on Zen 3: README).
 # Running it again reuses the checkpoints and continues the Stage-2 run.
 demo() {
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
