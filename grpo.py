@@ -221,7 +221,7 @@ def make_rows(episodes, steps, penalty, cfg):
     ep_of = [e for e, ep in enumerate(episodes) for _ in ep.steps]
     valid = [s.valid for s in steps]
     if cfg.adv_level == "trajectory":
-        r = row_rewards([episodes[e].reward for e in ep_of], [True] * len(steps), penalty)
+        r = row_rewards([episodes[e].reward for e in ep_of], valid, penalty)
         adv = group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm, episode_ids=ep_of)
     else:
         r = row_rewards([episodes[e].reward for e in ep_of], valid, penalty)
@@ -251,34 +251,34 @@ def kl_k3(logp, ref_logp):
     return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)                     # [rows, R]
 
 
-def masked_mean(x, mask, num_tokens=None):
-    """Token mean: sum(x * mask) / num_tokens (default: mask.sum()).
+def masked_mean(x, mask, num_tokens=None, world=1):
+    """Token mean: sum(x * mask) / (max(num_tokens, 1) / world) (num_tokens default: mask.sum()).
 
     Under DDP pass the GLOBAL count so that every rank's loss is its share of one global token mean;
     summing the ranks' gradients then equals the single-process gradient, however rows are split over
-    ranks and micro-batches. DDP *averages* gradients over the world, so there pass
-    num_tokens = global_tokens / world_size (equivalently: multiply the loss by world_size)."""
+    ranks and micro-batches. DDP *averages* gradients over the world, so pass world = world_size: the
+    count is clamped to at least 1 first, then divided (3 global tokens on 8 ranks: 3 / 8, not 1)."""
     denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=x.dtype, device=x.device)
-    return (x * mask).sum() / torch.clamp(denom, min=1.0)
+    return (x * mask).sum() / (torch.clamp(denom, min=1.0) / world)
 
 
 def joint_loss(pg, kl, ent, opd, mask, opd_mask=None, num_tokens=None, opd_tokens=None,
-               kl_coef=0.01, ent_coef=0.001, lambda_opd=0.01):
+               kl_coef=0.01, ent_coef=0.001, lambda_opd=0.01, world=1):
     """The joint objective (Section 3.3): L = <pg> + kl_coef <kl> - ent_coef <H> + lambda_opd <opd>_skill.
     <.> is a token mean over the (global) response-token count `num_tokens`; <opd>_skill is a token mean
     over the tokens of rows with a skill only (opd_mask [rows, 1] or [rows, R]; their global count
     `opd_tokens`), as the authors' compute_opd_loss does, so lambda_opd does not shrink when analyses
     fail to parse. No skill token -> the OPD term is 0. Per-token inputs [rows, R] (kl/ent/opd may be
-    None). -> (loss, parts)."""
+    None); `world`: the ranks that average the gradients (masked_mean). -> (loss, parts)."""
     num_tokens = mask.sum() if num_tokens is None else num_tokens                # pg, kl, entropy
-    parts = {"pg": masked_mean(pg, mask, num_tokens)}
+    parts = {"pg": masked_mean(pg, mask, num_tokens, world)}
     if kl is not None:
-        parts["kl"] = masked_mean(kl, mask, num_tokens)
+        parts["kl"] = masked_mean(kl, mask, num_tokens, world)
     if ent is not None:
-        parts["entropy"] = masked_mean(ent, mask, num_tokens)
+        parts["entropy"] = masked_mean(ent, mask, num_tokens, world)
     if opd is not None:
         skill = mask if opd_mask is None else mask * opd_mask                    # [rows, R]
-        parts["opd"] = masked_mean(opd, skill, skill.sum() if opd_tokens is None else opd_tokens)
+        parts["opd"] = masked_mean(opd, skill, skill.sum() if opd_tokens is None else opd_tokens, world)
     loss = (parts["pg"] + kl_coef * parts.get("kl", 0.0) - ent_coef * parts.get("entropy", 0.0)
             + lambda_opd * parts.get("opd", 0.0))
     return loss, {k: float(v.detach()) for k, v in parts.items()}

@@ -340,6 +340,16 @@ class HFEngine:
         self.dtype = getattr(torch, dtype)
         self.seed, self.calls = seed, 0
 
+    @property
+    def rng(self):
+        """The sampling RNG's state (saved in checkpoints, restored on --resume): call k samples from a torch
+        stream seeded by (seed, k), so the seed and the count of calls made are the whole state."""
+        return {"seed": self.seed, "calls": self.calls}
+
+    @rng.setter
+    def rng(self, state):
+        self.seed, self.calls = int(state["seed"]), int(state["calls"])
+
     @torch.no_grad()
     def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
         """-> [(token_ids, logprobs)] prompt-major; sampled at `temperature` (greedy at 0), cut after

@@ -225,7 +225,8 @@ def save_checkpoint(run_dir, next_update, model, opt, tok, data_rng, engine=None
         shutil.rmtree(tmp, ignore_errors=True)
     wrote = save_model(model, tok, tmp, rank)
     osd = get_optimizer_state_dict(unwrap(model), opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    rngs = gather(rng_state() | {"engine": getattr(engine, "rng", None)})   # HF engine: its sampling RNG
+    # the HF engine's sampling state (HFEngine.rng); the vLLM engine keeps none (None): it restarts from its seed
+    rngs = gather(rng_state() | {"engine": getattr(engine, "rng", None)})
     if wrote:
         torch.save({"update": next_update, "optimizer": osd, "rng": rngs, "world": world,
                     "data_rng": data_rng.bit_generator.state}, os.path.join(tmp, "trainer_state.pt"))

@@ -58,6 +58,7 @@ IN_CONTEXT = ("skill_grpo", "skill_grpo_star")          # the library skill in t
 DISTILL = ("seed", "static_skills", "opsd", "grpo_opsd", "skill_sd")   # an OPD / OPSD term in the loss
 RESCORE = DISTILL + ("rlsd",)                           # needs lp_skill (the teacher: skill in context)
 NO_TRAINING = ("vanilla", "skill_prompt")               # evaluate the starting model, no update
+MAX_SKIPS = 3     # optimizer steps in a row with a non-finite grad norm before the run stops (update_policy)
 RLSD_EPS = 0.2   # RLSD's bound on its per-token weight, w in [1 - eps, 1 + eps] (value not given: PPO's clip)
 
 
@@ -154,6 +155,7 @@ class Run:
     eval_ids: dict                     # split -> this rank's held-out task ids
     eval_envs: dict = field(default_factory=dict)   # split -> its envs, made at the first evaluation
     start: int = 0                     # the first update to run (the checkpoint's next one when resuming)
+    skip_streak: list = field(default_factory=lambda: [0])   # optimizer steps skipped in a row (update_policy)
 
 
 # ----------------------------------------------------------------------------- one update (Algorithm 1)
@@ -196,7 +198,7 @@ def rl_update(u, run):
     with timed(sec, "update"):    # 6. mini-batch updates of the joint objective, one pass, rows shuffled
         order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
         sums, norms = update_policy(model, run.opt, rows, cfg, pad_id, world, run.device, order, main_rank,
-                                    u / max(cfg.updates, 1))
+                                    u / max(cfg.updates, 1), run.skip_streak, u)
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
         rollout.push(run.engine, model, run.opt)
     return rollout.episode_metrics(episodes, stats) | loss_metrics(sums, norms, cfg.algo) | sec, records
@@ -245,8 +247,8 @@ def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, progress=0
         od = opd.opd_loss(lp, lps, cfg.beta_opd) if use_opd else None              # [rows, R] gated OPD
     lam = 1.0 if cfg.algo == "opsd" else cfg.lambda_opd
     # DDP and FSDP average gradients over ranks: divide by the global counts / world (grpo.masked_mean).
-    loss, _ = grpo.joint_loss(pg, kl, ent, od, mask, skill_mask, n_tok / world, n_skill / world,
-                              cfg.kl_coef, cfg.ent_coef, lam if use_opd else 0.0)
+    loss, _ = grpo.joint_loss(pg, kl, ent, od, mask, skill_mask, n_tok, n_skill,
+                              cfg.kl_coef, cfg.ent_coef, lam if use_opd else 0.0, world=world)
     with torch.no_grad():
         g = opd.gates(lps, lp, cfg.beta_opd) if use_opd else torch.zeros_like(lp)  # [rows, R]
         ratio = torch.exp(torch.clamp(lp - old, -20, 20))                          # [rows, R]
@@ -261,14 +263,19 @@ def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, progress=0
     return loss, {k: float(v) for k, v in sums.items()}
 
 
-def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, progress=False, done=0.0):
+def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, progress=False, done=0.0,
+                  streak=None, update=None):
     """One pass over the rows in mini-batches (ppo_epochs = 1); each mini-batch is one AdamW step on the
     token-mean joint loss over all ranks' rows. `order`: this rank's row order (shuffled by the caller);
-    `done`: the share of the run's updates done (micro_loss's progress).
-    Returns the summed statistics of every micro-batch (summed over ranks) and the grad norms."""
+    `done`: the share of the run's updates done (micro_loss's progress). A mini-batch whose global grad norm
+    is not finite is skipped (grads zeroed, no AdamW step, counted in "skipped_steps"); `streak`, a one-item
+    list the caller keeps across updates, counts the skips in a row, and MAX_SKIPS of them stop the run
+    with an error naming `update`.
+    Returns the summed statistics of every micro-batch (summed over ranks) and the finite grad norms."""
     order = list(range(len(rows))) if order is None else list(order)
     n_mb = max(1, math.ceil(all_sum(len(rows)) / cfg.mini_batch_size))
-    totals, norms = {}, []
+    totals, norms, skipped = {}, [], 0
+    streak = [0] if streak is None else streak
     bar = tqdm(total=n_mb, desc="update", disable=not progress, leave=False)
     for part in np.array_split(np.array(order, dtype=np.int64), n_mb):
         part = grpo.by_length(part.tolist(), rows.prompts, rows.responses)   # same gradient, less padding
@@ -287,12 +294,23 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, prog
                 for key, v in sums.items():
                     totals[key] = totals.get(key, 0.0) + v
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        opt.step()
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)   # global: every rank agrees
+        if math.isfinite(norm):
+            opt.step()
+            norms.append(norm)
+            streak[0] = 0
+        else:   # one NaN / inf gradient would make every weight NaN: skip the step, as the authors' dp_actor
+            opt.zero_grad(set_to_none=True)
+            skipped, streak[0] = skipped + 1, streak[0] + 1
+            if streak[0] >= MAX_SKIPS:
+                raise RuntimeError(f"update {update}: {streak[0]} optimizer steps in a row had a non-finite "
+                                   f"gradient norm ({norm}); stopping with the last finite weights (check "
+                                   f"--lr, the data and the dtype)")
         bar.update(1)
     bar.close()
     keys = sorted(totals) or ["tokens"]
     summed = dict(zip(keys, all_sum([totals.get(k, 0.0) for k in keys])))
+    summed["skipped_steps"] = float(skipped)   # the same on every rank (the norm is global): not summed
     return summed, norms
 
 
@@ -304,7 +322,7 @@ def loss_metrics(s, norms, algo):
     per_skill = lambda k: s.get(k, 0.0) / ns if ns else float("nan")
     out = {"loss/pg": s.get("pg", 0.0) / n, "loss/kl": s.get("kl", 0.0) / n, "loss/entropy": s.get("entropy", 0.0) / n,
            "clip_frac": s.get("clipped", 0.0) / n, "grad_norm": float(np.mean(norms)) if norms else 0.0,
-           "tokens": s.get("tokens", 0.0)}
+           "tokens": s.get("tokens", 0.0), "update/skipped_steps": s.get("skipped_steps", 0.0)}
     if algo in RESCORE:
         out["skill_token_frac"] = ns / n
     if algo in DISTILL:

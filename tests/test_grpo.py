@@ -276,3 +276,30 @@ def test_chunked_logprobs_equal_one_chunk_values_and_gradients(smol, monkeypatch
     assert (lp1 - lp3).abs().max() <= 1e-5 and (ent1 - ent3).abs().max() <= 1e-5
     for a, b in zip(g1, g3):
         assert a.abs().max() > 0 and (a - b).abs().max() <= 1e-5 * max(1.0, float(a.abs().max()))
+
+
+def test_masked_mean_clamps_the_global_count_before_the_world():
+    """3 global skill tokens on 8 ranks: each rank divides by 3 / 8 (the ranks' averaged gradients then give
+    the mean over the 3 tokens), not by max(3 / 8, 1) = 1, which made the OPD term 3/8 of its size; a global
+    count of 0 is clamped to 1 before the division, so the term stays 0, never NaN."""
+    x, mask = torch.tensor([[2.0, 4.0]]), torch.tensor([[1.0, 0.0]])
+    assert grpo.masked_mean(x, mask, num_tokens=3, world=8).item() == pytest.approx(2.0 * 8 / 3)
+    assert grpo.masked_mean(x, torch.zeros_like(mask), num_tokens=0, world=8).item() == 0.0
+    assert grpo.masked_mean(x, mask, num_tokens=0.5, world=8).item() == pytest.approx(2.0 * 8)
+    # ranks 0-2 hold one skill token of value 2.0 each, ranks 3-7 none: DDP's average is the true mean, 2.0
+    shares = [grpo.joint_loss(x * 0, None, None, x, mask if r < 3 else mask * 0, opd_mask=torch.ones(1, 1),
+                              num_tokens=3, opd_tokens=3, lambda_opd=1.0, world=8)[1]["opd"] for r in range(8)]
+    assert sum(shares) / 8 == pytest.approx(2.0)
+
+
+def test_trajectory_level_keeps_the_invalid_action_penalty():
+    """--adv_level trajectory: an episode's invalid steps lower its return (R minus the penalty over its share
+    of invalid steps), so of two won episodes the one with an invalid step gets the lower advantage."""
+    from types import SimpleNamespace as NS
+    step = lambda valid: NS(valid=valid, prompt_ids=[1], response_ids=[2])
+    eps = [NS(steps=[step(True), step(True)], reward=10.0, group_id=0, skill=None),
+           NS(steps=[step(True), step(False)], reward=10.0, group_id=0, skill=None)]
+    steps = [s for ep in eps for s in ep.steps]
+    cfg = NS(adv_level="trajectory", adv_norm="std")
+    rows, _ = grpo.make_rows(eps, steps, 0.1, cfg)
+    assert rows.adv[0] == rows.adv[1] > 0 > rows.adv[2] == rows.adv[3]

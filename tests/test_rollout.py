@@ -259,3 +259,33 @@ def test_collect_with_skills_on_a_real_env(vllm_engine, tokenizer):
 def test_engine_leaves_no_rank_in_the_environment(vllm_engine):
     """Subprocesses started later (torchrun, scripts) must not inherit a rank from the test process."""
     assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
+
+
+def test_resumed_hf_engine_samples_what_an_unbroken_one_samples(tmp_path, tokenizer):
+    """--resume restores the HF engine's sampling state (HFEngine.rng, saved in trainer_state.pt): after one
+    call, a checkpoint and a resume into a fresh engine, calls 2 and 3 sample what an unbroken engine's calls
+    2 and 3 sample; a fresh engine without the restore replays call 1. A one-layer model keeps it fast."""
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import runfolder
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=256))
+    folder, run_dir = str(tmp_path / "tiny"), str(tmp_path / "run")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    engine = lambda: rollout.make_engine("hf", folder, seed=3, max_model_len=256)
+    sample = lambda e: e.generate([[1, 2, 3], [4, 5]], 1.0, 8, n=2)
+    unbroken = engine()
+    want = [sample(unbroken) for _ in range(3)]
+    assert want[1] != want[0]
+    first = engine()
+    assert sample(first) == want[0]
+    opt, data_rng = torch.optim.AdamW(model.parameters()), np.random.default_rng(0)
+    os.makedirs(run_dir)
+    runfolder.save_checkpoint(run_dir, 1, model, opt, tokenizer, data_rng, first)
+    assert sample(engine()) == want[0]                        # not restored: the stream already used
+    resumed = engine()
+    assert runfolder.resume(run_dir, model, opt, data_rng, resumed) == 1
+    assert [sample(resumed) for _ in range(2)] == want[1:]

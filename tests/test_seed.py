@@ -454,3 +454,39 @@ def test_train_fraction_subset():
     assert seed.train_subset(1000, 0.2, 3).tolist() != seed.train_subset(1000, 0.2, 4).tolist()
     assert seed.train_subset(6, 1.0, 5).tolist() == list(range(6))
     assert set(seed.train_subset(1000, 0.2, 3).tolist()) < set(seed.train_subset(1000, 0.4, 3).tolist())
+
+
+# ----------------------------------------------------------------------------- a NaN cannot poison the weights
+
+def test_nan_gradient_skips_the_step_and_is_counted(smol):
+    """An injected NaN gradient (a hook on one weight): update_policy skips the AdamW step, zeroes the grads,
+    counts the skip (update/skipped_steps) and leaves every weight finite and unchanged; three skips in a row
+    (across updates) stop the run naming the update; a finite step moves the weights and resets the count."""
+    import copy
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from dist_update import fixed_rows
+    base, tok = smol
+    model = copy.deepcopy(base)                      # the session's model keeps its weights
+    rows = fixed_rows(model, n=4)
+    cfg = seed.Config(algo="grpo", micro_batch_size=4, mini_batch_size=4, kl_coef=0.0, ent_coef=0.0,
+                      dtype="float32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    w = model.model.norm.weight
+    hook = w.register_hook(lambda g: torch.full_like(g, float("nan")))
+    cpu, streak = torch.device("cpu"), [0]
+    step = lambda u: seed.update_policy(model, opt, rows, cfg, tok.pad_token_id, 1, cpu, streak=streak, update=u)
+    sums, norms = step(7)
+    assert sums["skipped_steps"] == 1 and norms == [] and streak == [1]
+    assert seed.loss_metrics(sums, norms, "grpo")["update/skipped_steps"] == 1
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.isfinite(v).all() and torch.equal(v, before[k]), k
+    step(8)
+    with pytest.raises(RuntimeError, match="update 9: 3 optimizer steps in a row"):
+        step(9)
+    hook.remove()
+    streak[0] = 2
+    sums, norms = step(10)
+    assert sums["skipped_steps"] == 0 and len(norms) == 1 and math.isfinite(norms[0]) and streak == [0]
+    assert not torch.equal(model.model.norm.weight, before["model.norm.weight"])
