@@ -397,10 +397,29 @@ class ExternalAnalyzer:
 SKILL_FILE = "skills.jsonl"    # the skill library that sft.py writes next to its checkpoint
 
 
+def task_key(env_name, task, first_observation=""):
+    """The text a library entry is filed and looked up by: the task text; for Sokoban, whose task text is the
+    same in every room, the task followed by the starting room (the board of the first observation)."""
+    return f"{task}\n{first_observation}".strip() if env_name == "sokoban" else task
+
+
+def episode_key(ep):
+    """task_key of a collected episode (its first step's observation is the env's reset observation)."""
+    return task_key(ep.env, ep.task, ep.steps[0].observation if ep.steps else "")
+
+
+def words(text):
+    """The library's tokenizer: lower-cased runs of letters or digits, and every other non-space character
+    on its own, so numbers and one-character values (EZPoints' card values 2-9, Sokoban's board symbols)
+    count; bm25s.tokenize drops one-character tokens."""
+    return re.findall(r"[a-z0-9]+|[^\sa-z0-9]", str(text).lower())
+
+
 class SkillLibrary:
-    """Stage-1 skills, one JSON line each: {"env", "family", "task", "skill"}. `retrieve` serves the
-    static_skills / skill_grpo / skill_prompt baselines: among the env's skills, the same family first
-    (any family when it has none), then the best BM25 match of the task text."""
+    """Stage-1 skills, one JSON line each: {"env", "family", "task", "skill"} ("task": task_key's text).
+    `retrieve` serves the static_skills / skill_grpo / skill_prompt baselines: among the env's skills the
+    same family first (any family when it has none), in it an entry with the same task text (whitespace
+    aside), else the best BM25 match of the task text over `words`."""
 
     def __init__(self, entries=None):
         self.entries = list(entries or [])
@@ -425,26 +444,33 @@ class SkillLibrary:
             return cls(json.loads(line) for line in f if line.strip())
 
     def retrieve(self, env, family, task_text):
-        """-> the skill of the best-matching entry, or None when the env has none."""
+        """-> the skill of the exact or best-matching entry (task_text: task_key's text), or None when the
+        env has none."""
         import bm25s
         pool = [e for e in self.entries if e["env"] == env]
         same = [e for e in pool if e["family"] == family]
         pool = same or pool
         if not pool:
             return None
+        norm = lambda t: " ".join(str(t).split())
+        exact = next((e for e in pool if norm(e["task"]) == norm(task_text)), None)
+        if exact:
+            return exact["skill"]
         key = (env, family if same else None)
         if key not in self._index:
             bm = bm25s.BM25()
-            bm.index(bm25s.tokenize([e["task"] for e in pool], show_progress=False), show_progress=False)
+            bm.index([words(e["task"]) or ["<empty>"] for e in pool], show_progress=False)
             self._index[key] = bm
-        q = bm25s.tokenize([task_text], return_ids=False, show_progress=False)
-        docs, scores = self._index[key].retrieve(q, k=1, show_progress=False)
+        q = words(task_text)
+        if not q:
+            return pool[0]["skill"]
+        docs, scores = self._index[key].retrieve([q], k=1, show_progress=False)
         return pool[int(docs[0, 0]) if scores[0, 0] > 0 else 0]["skill"]   # no shared word: the first
 
     def for_tasks(self, env, task_ids):
         """One skill per task of `env`'s split (the env is reset once per task to read its text and family)."""
         out = []
         for t in task_ids:
-            env.reset(seed=int(t))
-            out.append(self.retrieve(env.name, env.family, env.task))
+            obs, _ = env.reset(seed=int(t))
+            out.append(self.retrieve(env.name, env.family, task_key(env.name, env.task, obs)))
         return out

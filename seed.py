@@ -178,7 +178,7 @@ def rl_update(u, run):
             stats = analyze(run.engine, run.tok, episodes, cfg, main_rank)
         elif cfg.algo in ("static_skills", "skill_sd"):   # a library skill for the teacher's context only
             for ep in episodes:
-                ep.skill = run.library.retrieve(cfg.env, ep.family, ep.task)
+                ep.skill = run.library.retrieve(cfg.env, ep.family, analyzer.episode_key(ep))
     records = [r for part in gather([runfolder.episode_record(ep) for ep in episodes]) for r in part]
     run.engine.sleep()
     with timed(sec, "logprobs"):

@@ -435,7 +435,7 @@ def save(cfg, model, tok, episodes, labels, log, rank, world, extra):
     for key in sorted(labels):
         if labels[key] and key in episodes:
             ep = episodes[key]
-            library.add(cfg.env, ep.family, ep.task, labels[key]["episode_skill"])
+            library.add(cfg.env, ep.family, analyzer.episode_key(ep), labels[key]["episode_skill"])
     library.save(os.path.join(cfg.out, analyzer.SKILL_FILE))
     with open(os.path.join(cfg.out, "sft_log.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in log)
