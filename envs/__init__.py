@@ -61,33 +61,56 @@ def from_config(cfg, split):
 
 
 def task_line(name):
-    """The prompt-line prefix after which `insert_skill` puts the skill block."""
+    """The prompt-line prefix of the env's task line (insert_skill finds it among TASK_LINES)."""
     return {"alfworld": "Your task is to:", "sokoban": "Your task is to:", "ezpoints": "Your task is to:",
             "search": "Your question:", "webshop": "Your task is to:"}[name]
 
 
 IMAGE = "<image>"   # image mode (Appendix C.3): where an image goes in a prompt; env.prompt_images() fills them
-SKILL_HEADER = "## Skill from past episodes"
-SKILL_USE = "Use this skill when you choose your action in this episode:"
+# The teacher's skill sections, in the authors' format (seed/prompting.py at 2cf2fad): a bold title, an
+# instruction line ending in ":", the skill in square brackets; sections are set apart by blank lines.
+EPISODE_SKILL = ("Episode-Level Skill", "Refer to this episode-level skill when deciding what action to take in "
+                 "the current episode")
+STEP_SKILL = ("Critical-Step Skill", "Use this current-step skill for this decision only")
+TASK_LINES = (r"^.*\bYour task is to:\s*.*(?:\n|$)", r"^.*\bYour current task is:\s*.*(?:\n|$)",
+              r"^.*\bYour task is:\s*.*(?:\n|$)", r"^.*\bYour question:\s*.*(?:\n|$)",
+              r"^.*\bYour goal is(?: to)?\b[:\s].*(?:\n|$)")   # the episode section goes after the first found
 TURN_LINE = "Now it's your turn"     # opens the turn instruction of every actor prompt
+TURN_ANCHORS = (TURN_LINE + " to", TURN_LINE)   # the step section (and the episode one's fallback) goes before
 
 
-def insert_skill(prompt_text, skill, env_name):
-    """Put the skill block (a header line, a line telling the agent to use it, then the skill, which may
-    span lines; as the authors' seed/prompting.py) right after the env's task line; when that line is
-    absent, right before the turn instruction ("Now it's your turn ..."); failing both, at the top.
-    An empty or None skill returns the prompt unchanged."""
-    if not skill or not skill.strip():
+def skill_section(title_and_use, skill):
+    """One skill section: "**<title>**", "<instruction>:", "[<skill>]"; "" for an empty skill."""
+    body = str(skill or "").strip()
+    return f"**{title_and_use[0]}**\n{title_and_use[1]}:\n[{body}]" if body else ""
+
+
+def _put_at(text, at, block):
+    """`block` between text[:at] and text[at:], each side stripped where they meet, blank lines around."""
+    before, after = text[:at].rstrip(), text[at:].lstrip()
+    return "\n\n".join(part for part in (before, block, after) if part)
+
+
+def _before_turn(text, block):
+    """Before the first turn anchor found; with none, at the end."""
+    at = next((text.find(a) for a in TURN_ANCHORS if a in text), len(text))
+    return _put_at(text, at, block)
+
+
+def insert_skill(prompt_text, skill, env_name=None, step_skill=None):
+    """The teacher's context h~ as the authors build it (build_augmented_observation_text): the prompt,
+    stripped; the episode-skill section right after the task line (the first of TASK_LINES that matches: the
+    line, and the next one when the line ends at its colon), failing that before the turn instruction ("Now
+    it's your turn ..."), failing both at the end; the step-skill section before the turn instruction (or at
+    the end). `env_name` is not needed (kept for callers). No skill at all returns the prompt unchanged."""
+    episode, step = skill_section(EPISODE_SKILL, skill), skill_section(STEP_SKILL, step_skill)
+    if not episode and not step:
         return prompt_text
-    block = [SKILL_HEADER, SKILL_USE] + [ln.strip() for ln in skill.strip().splitlines() if ln.strip()]
-    lines = prompt_text.split("\n")
-    prefix = task_line(env_name)
-    at = next((i + 1 for i, ln in enumerate(lines) if ln.lstrip().startswith(prefix)), None)
-    if at is None:
-        at = next((i + 1 for i, ln in enumerate(lines) if prefix in ln), None)
-    if at is None:
-        at = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith(TURN_LINE)), 0)
-    return "\n".join(lines[:at] + block + lines[at:])
+    text = str(prompt_text).strip()
+    if episode:
+        m = next((m for m in (re.search(p, text, flags=re.MULTILINE) for p in TASK_LINES) if m), None)
+        text = _put_at(text, m.end(), episode) if m else _before_turn(text, episode)
+    return _before_turn(text, step) if step else text
 
 
 def history_lines(history, steps, history_length, line="[Observation {k}] {obs}\n[Action {k}] {act}"):

@@ -162,17 +162,23 @@ def test_prompt_first_step_and_later_steps(real_env):
 
 
 def test_skill_block_after_the_task_line_at_the_first_and_a_later_step(real_env):
-    """The first-step prompt states the task inside the observation, on its own line: the skill block
-    (header, the line telling the agent to use it, the skill) goes right after it, as at later steps."""
+    """The first-step prompt states the task inside the observation, on its own line: the episode-skill
+    section (title, the line telling the agent to use it, the skill in brackets) goes right after it, set
+    apart by blank lines, as at later steps; a step skill goes before the turn instruction."""
     import envs
     skill = "Find the potato first.\nHeat it with the microwave, then put it in the sinkbasin."
+    block = envs.skill_section(envs.EPISODE_SKILL, skill).split("\n")
     real_env.reset(seed=0)
     for step in range(3):
         prompt = real_env.prompt()
         lines = envs.insert_skill(prompt, skill, "alfworld").split("\n")
-        at = next(i for i, ln in enumerate(lines) if ln.startswith(task_line("alfworld")))
-        assert lines[at + 1:at + 5] == [envs.SKILL_HEADER, envs.SKILL_USE] + skill.split("\n"), step
-        assert lines[:at + 1] + lines[at + 5:] == prompt.split("\n")
+        at = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith(task_line("alfworld")))
+        assert lines[at + 1:at + 7] == [""] + block + [""], step
+        assert " ".join(lines[:at + 1] + lines[at + 7:]).split() == prompt.split()
+        lines = envs.insert_skill(prompt, None, "alfworld", "Open the fridge now.").split("\n")
+        turn = next(i for i, ln in enumerate(lines) if ln.startswith(envs.TURN_LINE))
+        assert lines[turn - 5:turn] == [""] + envs.skill_section(envs.STEP_SKILL, "Open the fridge now.").split(
+            "\n") + [""]
         real_env.step(respond(REAL_PLAN[step]))
 
 

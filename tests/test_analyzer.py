@@ -273,18 +273,17 @@ def test_analyze_runs_on_the_real_hf_engine(hf_engine, tokenizer, one_thread):
 # ----------------------------------------------------------------------------- insert_skill
 
 SKILL = "Push the box along the free column first, never into a corner."
-
-
-BLOCK = [envs.SKILL_HEADER, envs.SKILL_USE, SKILL]          # the block's structure (seed/prompting.py)
+BLOCK = envs.skill_section(envs.EPISODE_SKILL, SKILL)       # the episode-skill section (seed/prompting.py)
+words = lambda text: " ".join(text.split())
 
 
 def _check_after_task_line(prompt, name):
     out = analyzer.insert_skill(prompt, SKILL, name)
     assert out.count(SKILL) == 1
     lines = out.split("\n")
-    at = next(i for i, ln in enumerate(lines) if ln.startswith(envs.task_line(name)))
-    assert lines[at + 1:at + 4] == BLOCK
-    assert out.replace("\n".join(BLOCK) + "\n", "") == prompt                 # nothing else changed
+    at = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith(envs.task_line(name)))
+    assert lines[at + 1:at + 6] == [""] + BLOCK.split("\n") + [""]
+    assert words(out.replace(BLOCK, "")) == words(prompt)                     # nothing else changed
 
 
 def test_insert_skill_after_the_task_line_of_real_prompts():
@@ -299,20 +298,70 @@ def test_insert_skill_after_the_task_line_of_real_prompts():
     _check_after_task_line("You answer questions.\nYour question: who wrote Hamlet?\nThink, then answer.", "search")
 
 
+# The cases of the authors' tests/trainer/ppo/test_episode_skill_guidance.py (2cf2fad), with the exact strings
+# their build_augmented_observation_text returns for them (computed with their seed/prompting.py) as fixtures.
+THEIR_PROMPT = """You are an expert autonomous agent.
+Your task is to: find a red mug under 20 dollars.
+
+Now it's your turn to choose the next action."""
+THEIR_SOKOBAN = """You are an expert agent operating in the Sokoban environment. Your goal is to push all the boxes onto the target spots. Once all boxes are on the targets, you win!
+
+# Rules
+You can only push boxes.
+
+# Current Step
+Your current observation is shown in the image: <image>
+Your admissible actions are ["up", "down", "left", "right"].
+
+Now it's your turn to make a move."""
+EPISODE_HEAD = ("**Episode-Level Skill**\nRefer to this episode-level skill when deciding what action to take in "
+                "the current episode:\n")
+STEP_HEAD = "**Critical-Step Skill**\nUse this current-step skill for this decision only:\n"
+THEIR_CASES = [   # (prompt, episode skill, step skill, their output)
+    (THEIR_PROMPT, "Check price and color before selecting the product.", "",
+     "You are an expert autonomous agent.\nYour task is to: find a red mug under 20 dollars.\n\n" + EPISODE_HEAD
+     + "[Check price and color before selecting the product.]\n\nNow it's your turn to choose the next action."),
+    (THEIR_PROMPT, "Check constraints before selecting the product.",
+     "Search with the required attributes before clicking.",
+     "You are an expert autonomous agent.\nYour task is to: find a red mug under 20 dollars.\n\n" + EPISODE_HEAD
+     + "[Check constraints before selecting the product.]\n\n" + STEP_HEAD
+     + "[Search with the required attributes before clicking.]\n\nNow it's your turn to choose the next action."),
+    (THEIR_SOKOBAN, "Move behind each box before pushing it toward a target.", "",
+     "You are an expert agent operating in the Sokoban environment. Your goal is to push all the boxes onto the "
+     "target spots. Once all boxes are on the targets, you win!\n\n" + EPISODE_HEAD
+     + "[Move behind each box before pushing it toward a target.]\n\n# Rules\nYou can only push boxes.\n\n"
+     "# Current Step\nYour current observation is shown in the image: <image>\nYour admissible actions are "
+     '["up", "down", "left", "right"].\n\nNow it\'s your turn to make a move.'),
+    (THEIR_PROMPT, "", "", THEIR_PROMPT),
+    # beyond their file: a step skill alone, and the no-anchor fallback (both sections appended at the end)
+    (THEIR_PROMPT, "", "Search with the required attributes before clicking.",
+     "You are an expert autonomous agent.\nYour task is to: find a red mug under 20 dollars.\n\n" + STEP_HEAD
+     + "[Search with the required attributes before clicking.]\n\nNow it's your turn to choose the next action."),
+    ("Just text.", "E skill.", "S skill.", "Just text.\n\n" + EPISODE_HEAD + "[E skill.]\n\n" + STEP_HEAD + "[S skill.]"),
+]
+
+
+@pytest.mark.parametrize("prompt,episode_skill,step_skill,theirs", THEIR_CASES)
+def test_insert_skill_equals_the_authors_function(prompt, episode_skill, step_skill, theirs):
+    """envs.insert_skill returns exactly what the authors' build_augmented_observation_text returns on the
+    cases of their test file (their strings, above): the sections' format, the task-line and turn anchors,
+    the blank lines, and the fallback to the end of the prompt."""
+    assert envs.insert_skill(prompt, episode_skill, "webshop", step_skill) == theirs
+
+
 def test_insert_skill_fallbacks_multiline_and_empty():
     prompt = "You play a game.\nCurrent observation: a wall.\nNow it's your turn to act. Use <action>."
     out = analyzer.insert_skill(prompt, SKILL, "sokoban").split("\n")
-    assert out[2:5] == BLOCK and out[5].startswith("Now it's your turn")
-    assert analyzer.insert_skill("Just text.", SKILL, "sokoban").split("\n") == BLOCK + ["Just text."]
+    assert out[2:7] == [""] + BLOCK.split("\n") + [""] and out[7].startswith("Now it's your turn")
+    assert analyzer.insert_skill("Just text.", SKILL, "sokoban") == "Just text.\n\n" + BLOCK
     # the task sentence inside a longer line still anchors the skill
-    out = analyzer.insert_skill("You are an agent. Your task is to: heat an egg.\nAct now.", "Use the microwave to heat it.",
-                                "alfworld").split("\n")
-    assert out[1:4] == [envs.SKILL_HEADER, envs.SKILL_USE, "Use the microwave to heat it."] and out[4] == "Act now."
-    # a multi-line skill keeps its lines (stripped, blank ones dropped); empty skills change nothing
-    assert analyzer.insert_skill("Your task is to: x\nGo.", "  a\n\n b  c ", "alfworld") == "\n".join(
-        ["Your task is to: x", envs.SKILL_HEADER, envs.SKILL_USE, "a", "b  c", "Go."])
+    out = analyzer.insert_skill("You are an agent. Your task is to: heat an egg.\nAct now.", SKILL, "alfworld")
+    assert out == "You are an agent. Your task is to: heat an egg.\n\n" + BLOCK + "\n\nAct now."
+    # a multi-line skill is kept inside its brackets (stripped); empty skills change nothing
+    assert analyzer.insert_skill("Your task is to: x\nGo.", "  a\n\n b  c ", "alfworld") == (
+        "Your task is to: x\n\n" + EPISODE_HEAD + "[a\n\n b  c]\n\nGo.")
     for empty in (None, "", "  \n "):
-        assert analyzer.insert_skill("Your task is to: x\nGo.", empty, "alfworld") == "Your task is to: x\nGo."
+        assert analyzer.insert_skill("Your task is to: x\nGo.", empty, "alfworld", empty) == "Your task is to: x\nGo."
 
 
 # ----------------------------------------------------------------------------- scripted analysis

@@ -168,7 +168,7 @@ def test_rescore_same_tokens_skill_after_task_line(smol):
     assert text.count(SKILL) == 1
     lines = text.split("\n")
     at = next(i for i, ln in enumerate(lines) if ln.startswith("Your task is to:"))
-    assert lines[at + 1:at + 4] == [envs.SKILL_HEADER, envs.SKILL_USE, SKILL]
+    assert lines[at + 1:at + 6] == [""] + envs.skill_section(envs.EPISODE_SKILL, SKILL).split("\n") + [""]
     # the values: equal to a naive unpadded per-row computation
     for i, (s, skill) in enumerate(zip(steps, [SKILL, None, SKILL])):
         prompt = opd.skill_prompt_ids(tok, s, skill, "alfworld") if skill else s.prompt_ids

@@ -250,7 +250,8 @@ def test_collect_with_skills_on_a_real_env(vllm_engine, tokenizer):
         for s in ep.steps:
             lines = s.prompt_text.split("\n")
             at = next(i for i, line in enumerate(lines) if line.startswith(envs.task_line("ezpoints")))
-            assert (lines[at + 1:at + 4] == [envs.SKILL_HEADER, envs.SKILL_USE, skill]) == (ep.group_id == 0)
+            block = [""] + envs.skill_section(envs.EPISODE_SKILL, skill).split("\n") + [""]
+            assert (lines[at + 1:at + 6] == block) == (ep.group_id == 0)
             assert (skill in s.prompt_text) == (ep.group_id == 0)
             assert s.prompt_ids == rollout.chat_ids(tokenizer, s.prompt_text)
             assert s.response_text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
