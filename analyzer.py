@@ -3,7 +3,10 @@ and the Stage-1 annotators of Section 3.2).
 
 The analyzer reads a finished episode (task, outcome, every step's observation, full response and
 validity) and answers with one JSON object {"episode_summary": ..., "episode_skill": ...}: a reusable
-workflow for a success, an avoidance rule for a failure, addressed to the policy. During RL the analyzer is
+workflow for a success, an avoidance rule for a failure, addressed to the policy. With critical-step skills
+(`skill_mode` episode_step, the authors' ALFWorld / WebShop / Search launchers; step_only) the object also
+holds "step_skills": {"0": "...", "2": "..."}: 0-based step -> one imperative sentence for that step, at
+most `max_step_skills` of them (seed/analysis.py at 2cf2fad). During RL the analyzer is
 the snapshot pi_old itself (`analyze`: one greedy generation, as the authors; corrective retries on a parse
 failure are optional); in Stage 1 it is an external OpenAI-compatible endpoint (`ExternalAnalyzer`, one
 request per episode, transport retries only) or, offline, `scripted_analysis`, which writes the skill from the
@@ -32,6 +35,7 @@ SYSTEM = ("You are an expert coach for an AI agent. You read one finished episod
 CORRECTION = ("Your answer could not be used: {why}. Reply with only one JSON object, exactly of the form "
               '{{"episode_summary": "<one or two sentences>", "episode_skill": "<one short skill, a full '
               'sentence addressed to the agent>"}}, and nothing else.')
+SKILL_MODES = ("episode_step", "episode_only", "step_only")   # which skills the analyzer writes (seed.Config)
 MAX_SKILL_CHARS = 600                # a longer skill is cut at a sentence or word boundary
 PLACEHOLDERS = {"", "none", "n/a", "na", "null", "skill", "...", "todo", "tbd", "unknown", "no skill",
                 "the skill", "episode_skill"}
@@ -52,7 +56,8 @@ def step_images(ep):
 
 
 def _render_steps(ep, obs_keep, resp_cap):
-    """The trajectory block; observations of steps before `obs_keep` are trimmed, responses capped. A visual
+    """The trajectory block, steps numbered from 0 (the step_skills keys); observations of steps before
+    `obs_keep` are trimmed, responses capped. A visual
     episode shows each observation as its image (an IMAGE marker, as the authors' seed_visual prompt)."""
     lines, visual = [], bool(step_images(ep))
     for t, s in enumerate(ep.steps):
@@ -62,25 +67,42 @@ def _render_steps(ep, obs_keep, resp_cap):
             resp, act = resp.replace(IMAGE, "[image]"), act.replace(IMAGE, "[image]")
         valid = (f"valid, executed: {act}" if s.valid else
                  f"INVALID (the response broke the required format), executed: {act or 'nothing'}")
-        lines += [f"## Step {t + 1}", f"Observation: {obs}", f"Agent response: {resp}", f"Action: {valid}", ""]
+        lines += [f"## Step {t}", f"Observation: {obs}", f"Agent response: {resp}", f"Action: {valid}", ""]
     return "\n".join(lines)
 
 
-def analysis_prompt(episode, max_chars=None):
-    """-> chat messages asking for {"episode_summary", "episode_skill"} about `episode`, whole (every step's
-    observation and full response) unless the user message exceeds `max_chars`: then old observations are
-    trimmed first (oldest first, the last one is kept), then old responses are shortened."""
+def _job(ep, skill_mode, max_step_skills):
+    """The prompt's closing instructions and the JSON form asked for, by skill mode."""
+    k = min(max_step_skills, ep.length)
+    episode = ("Write one skill the agent should follow next time it meets a similar task.\n"
+               + ("- The episode SUCCEEDED: write the workflow that worked, as the few key steps in order.\n"
+                  if ep.won else
+                  "- The episode FAILED: write an avoidance rule: what went wrong (invalid actions, loops, "
+                  "wasted steps, wrong objects) and what to do instead.\n")
+               + "- Address the agent directly, in at most three sentences; make it reusable for similar tasks, "
+                 "not a copy of this episode's step numbers.\n")
+    steps = (f"Pick at most {k} critical step(s) of this episode (where it was won or lost: a mistake, a wasted "
+             f"move, or a key move) and write, for each, one short imperative sentence telling the agent what "
+             f"to do at that step. Key each by its step number as shown above (0 is the first step).\n")
+    summary = '"episode_summary": "<what happened, one or two sentences>"'
+    step_json = '"step_skills": {"0": "<what to do at step 0>", "2": "<what to do at step 2>"}'
+    if skill_mode == "step_only":
+        return "# Your job\n" + steps + "Answer with only this JSON object:\n{" + summary + ", " + step_json + "}"
+    job = "# Your job\n" + episode
+    if skill_mode == "episode_only" or k == 0:
+        return job + 'Answer with only this JSON object:\n{' + summary + ', "episode_skill": "<the skill>"}'
+    return (job + "Then, for the step skills: " + steps + "Answer with only this JSON object:\n{" + summary
+            + ', "episode_skill": "<the skill>", ' + step_json + "}")
+
+
+def analysis_prompt(episode, max_chars=None, skill_mode="episode_only", max_step_skills=0):
+    """-> chat messages asking for {"episode_summary", "episode_skill"} (and "step_skills", by `skill_mode`:
+    at most `max_step_skills`) about `episode`, whole (every step's observation and full response) unless
+    the user message exceeds `max_chars`: then old observations are trimmed first (oldest first, the last
+    one is kept), then old responses are shortened."""
     ep = episode
     head = (f"Environment: {ep.env}\nTask: {ep.task}\nOutcome: {_outcome(ep)}\n\n# Trajectory\n")
-    tail = ("# Your job\nWrite one skill the agent should follow next time it meets a similar task.\n"
-            + ("- The episode SUCCEEDED: write the workflow that worked, as the few key steps in order.\n"
-               if ep.won else
-               "- The episode FAILED: write an avoidance rule: what went wrong (invalid actions, loops, "
-               "wasted steps, wrong objects) and what to do instead.\n")
-            + "- Address the agent directly, in at most three sentences; make it reusable for similar tasks, "
-              "not a copy of this episode's step numbers.\n"
-              'Answer with only this JSON object:\n{"episode_summary": "<what happened, one or two sentences>", '
-              '"episode_skill": "<the skill>"}')
+    tail = _job(ep, skill_mode, max_step_skills)
     n, body = ep.length, _render_steps(ep, 0, 10**9)
     budget = len(body) if max_chars is None else max_chars - len(head) - len(tail)
     for keep in range(1, n):                                    # trim observations, oldest first
@@ -126,53 +148,92 @@ def _shorten(skill):
     return cut[:end + 1] if end > MAX_SKILL_CHARS // 3 else cut[:cut.rfind(" ")].rstrip(",;:") + "..."
 
 
-def _parse(text, lenient=False):
+def _trivial(skill):
+    """-> why a (cleaned) skill string is unusable, or "" when it is a real skill."""
+    bare = skill.strip(" .\"'<>").lower()
+    echo = skill.startswith("<") and skill.endswith(">")              # the prompt's own placeholder
+    if echo or bare in PLACEHOLDERS or len(bare) < 12 or len(bare.split()) < 3:
+        return "empty or trivial; write a real, specific skill"
+    if sum(c.isalpha() for c in skill) < len(skill) / 2:
+        return "must be plain English sentences"
+    return ""
+
+
+def _step_skills(raw, cap, n_steps=None, lenient=False):
+    """The "step_skills" object -> {step: skill}, as the authors' parse: a key is a step number (0-based; an
+    int or a string of one), a step outside the episode (0 <= step < n_steps) or a key that is not a number
+    is dropped, and so is a value that is not a usable sentence; the first `cap` kept, in the answer's order.
+    Anything but an object gives {}."""
+    out = {}
+    for key, value in (raw.items() if isinstance(raw, dict) else ()):
+        try:
+            step = int(str(key).strip())
+        except ValueError:
+            continue
+        text = _clean(value)
+        if len(out) >= cap or step in out or step < 0 or (n_steps is not None and step >= n_steps):
+            continue
+        if text and (lenient or not _trivial(text)):
+            out[step] = _shorten(text)
+    return out
+
+
+def _parse(text, lenient=False, skill_mode="episode_only", max_step_skills=0, n_steps=None):
     """-> (dict or None, reason for the corrective message). `lenient`: any non-empty skill passes."""
     if not isinstance(text, str) or not text.strip():
         return None, "the answer was empty"
     objs = list(_json_objects(text))
     if not objs:
         return None, "no JSON object was found"
+    cap = max_step_skills if skill_mode != "episode_only" else 0
+    if skill_mode == "step_only":
+        for obj in objs:
+            if "step_skills" in obj:
+                steps = _step_skills(obj["step_skills"], cap, n_steps, lenient)
+                if not steps:
+                    return None, '"step_skills" held no usable step skill'
+                summary = _clean(obj.get("episode_summary", "")) or ""
+                return {"episode_summary": summary, "episode_skill": "", "step_skills": steps}, ""
+        return None, 'the JSON object had no "step_skills" key'
     for obj in objs:
         if "episode_skill" not in obj:
             continue
         skill, summary = _clean(obj["episode_skill"]), _clean(obj.get("episode_summary", ""))
         if skill is None:
             return None, '"episode_skill" must be a string'
-        if lenient and skill:
-            return {"episode_summary": summary or "", "episode_skill": _shorten(skill)}, ""
-        bare = skill.strip(" .\"'<>").lower()
-        echo = skill.startswith("<") and skill.endswith(">")              # the prompt's own placeholder
-        if echo or bare in PLACEHOLDERS or len(bare) < 12 or len(bare.split()) < 3:
-            return None, '"episode_skill" was empty or trivial; write a real, specific skill'
-        if sum(c.isalpha() for c in skill) < len(skill) / 2:
-            return None, '"episode_skill" must be plain English sentences'
-        return {"episode_summary": summary or "", "episode_skill": _shorten(skill)}, ""
+        why = "" if lenient and skill else _trivial(skill)
+        if why:
+            return None, f'"episode_skill" was {why}'
+        return {"episode_summary": summary or "", "episode_skill": _shorten(skill),
+                "step_skills": _step_skills(obj.get("step_skills"), cap, n_steps, lenient)}, ""
     return None, 'the JSON object had no "episode_skill" key'
 
 
-def parse_analysis(text, lenient=False):
-    """The analyzer's answer -> {"episode_summary", "episode_skill"} or None. Tolerates code fences and
-    text around the JSON (the first object with an "episode_skill" key wins); rejects a missing, empty,
-    placeholder or trivial skill (fewer than 3 words / 12 characters, mostly non-letters). Never evals.
-    `lenient=True` is Stage 1's label filter (the authors' pipeline): any non-empty skill string is kept."""
-    return _parse(text, lenient)[0]
+def parse_analysis(text, lenient=False, skill_mode="episode_only", max_step_skills=0, n_steps=None):
+    """The analyzer's answer -> {"episode_summary", "episode_skill", "step_skills"} or None. Tolerates code
+    fences and text around the JSON (the first object with an "episode_skill" key wins; "step_skills" in
+    step_only mode); rejects a missing, empty, placeholder or trivial skill (fewer than 3 words / 12
+    characters, mostly non-letters). step_skills ({step: sentence}, {} in episode_only mode) follow
+    _step_skills' rules with `max_step_skills` and the episode's `n_steps`; step_only needs one. Never evals,
+    never raises. `lenient=True` is Stage 1's label filter (the authors' pipeline): any non-empty skill
+    string is kept."""
+    return _parse(text, lenient, skill_mode, max_step_skills, n_steps)[0]
 
 
 # ----------------------------------------------------------------------------- the live analyzer (pi_old)
 
-def fit_prompt(episode, tokenizer, max_prompt_tokens):
+def fit_prompt(episode, tokenizer, max_prompt_tokens, skill_mode="episode_only", max_step_skills=0):
     """The analysis prompt both stages use (Stage-1 examples and labels, Stage-2 `analyze`): the whole episode
     when its chat ids fit `max_prompt_tokens` (the analyzer's own budget, 16,384 tokens by default as the
     authors' analysis context), else shrunk by analysis_prompt's rule (old observations first) until it fits."""
-    msgs = analysis_prompt(episode)
+    msgs = analysis_prompt(episode, None, skill_mode, max_step_skills)
     chars = len(msgs[1]["content"])
     for _ in range(8):
         n = len(prompt_ids(episode, tokenizer, msgs))
         if n <= max_prompt_tokens:
             break
         chars = int(chars * max_prompt_tokens / n * 0.95)
-        msgs = analysis_prompt(episode, max_chars=chars)
+        msgs = analysis_prompt(episode, chars, skill_mode, max_step_skills)
     return msgs
 
 
@@ -210,11 +271,12 @@ def analysis_budget(model_path, max_prompt_tokens, max_tokens, retries=0):
     return max_prompt_tokens, max_prompt_tokens + room
 
 
-def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_tokens=None):
+def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_tokens=None,
+            skill_mode="episode_only", max_step_skills=0):
     """Greedy analysis of every episode by the snapshot, batched: one `engine.generate` call over all episodes
     (the authors' Stage 2: one greedy generation, no retries); with `retries` > 0, a failed parse gets the bad
     answer back plus a corrective message, up to `retries` more rounds over the episodes still unparsed.
-    Sets ep.summary / ep.skill (None when it never parsed).
+    Sets ep.summary / ep.skill (None when it never parsed, or in step_only mode) and ep.step_skills.
     -> {"episodes", "parsed", "parse_failures", "parse_failure_rate", "first_try_failures", "generate_calls"}.
     `engine` is any object with the CONTRACT's generate(prompt_ids_list, temperature, max_tokens, n). Each
     episode is read whole up to `max_prompt_tokens` (fit_prompt), never beyond what the engine's max_model_len
@@ -224,9 +286,9 @@ def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_
     if max_prompt_tokens < 256:
         raise ValueError(f"max_tokens={max_tokens} with {retries} retries leaves {max_prompt_tokens} prompt "
                          f"tokens for the analysis; raise the engine's max_model_len or lower max_tokens")
-    convs = [fit_prompt(ep, tokenizer, max_prompt_tokens) for ep in episodes]
+    convs = [fit_prompt(ep, tokenizer, max_prompt_tokens, skill_mode, max_step_skills) for ep in episodes]
     for ep in episodes:
-        ep.summary, ep.skill = None, None
+        ep.summary, ep.skill, ep.step_skills = None, None, {}
     pending, first_fail, calls = list(range(len(episodes))), 0, 0
     for attempt in range(retries + 1):
         if not pending:
@@ -237,9 +299,11 @@ def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_
         still = []
         for i, (ids, _) in zip(pending, outs):
             text = tokenizer.decode(ids, skip_special_tokens=True)
-            parsed, why = _parse(text)
+            parsed, why = _parse(text, False, skill_mode, max_step_skills, episodes[i].length)
             if parsed:
-                episodes[i].summary, episodes[i].skill = parsed["episode_summary"], parsed["episode_skill"]
+                ep = episodes[i]
+                ep.summary, ep.skill, ep.step_skills = (parsed["episode_summary"], parsed["episode_skill"] or None,
+                                                        parsed["step_skills"])
             else:
                 if step_images(episodes[i]):
                     text = text.replace(IMAGE, "[image]")   # kept in the conversation as text
@@ -274,12 +338,13 @@ def _key_steps(plan, cap=12):
     return out if len(out) <= cap else out[:cap - 1] + ["...", out[-1]]
 
 
-def scripted_analysis(episode, max_steps=None):
+def scripted_analysis(episode, max_steps=None, max_step_skills=0):
     """Stage-1 analysis written from the env's own knowledge, no model: a workflow from
     episode.info["expert_plan"] for a success; for a failure, an avoidance rule from what went wrong
     (invalid actions, repeated actions, running out of steps: pass the env's `max_steps`, else
-    episode.info["max_steps"] is used when present) plus the expert's key steps.
-    -> {"episode_summary", "episode_skill"}."""
+    episode.info["max_steps"] is used when present) plus the expert's key steps; and up to
+    `max_step_skills` step skills (scripted_step_skills).
+    -> {"episode_summary", "episode_skill", "step_skills"}."""
     ep, plan = episode, _key_steps(episode.info.get("expert_plan") or [])
     route, task = " -> ".join(plan), episode.task.strip().rstrip(".")
     if ep.won:
@@ -287,7 +352,8 @@ def scripted_analysis(episode, max_steps=None):
         skill = (f"For tasks like '{task}', follow this workflow: {route}." if plan else
                  f"For tasks like '{task}', repeat what worked: "
                  + " -> ".join(_key_steps([s.action for s in ep.steps if s.valid])) + ".")
-        return {"episode_summary": summary, "episode_skill": skill}
+        return {"episode_summary": summary, "episode_skill": skill,
+                "step_skills": scripted_step_skills(ep, max_step_skills)}
     invalid = [s for s in ep.steps if not s.valid]
     acts = Counter(s.action for s in ep.steps if s.valid and s.action)
     loop = next(((a, k) for a, k in acts.most_common(1) if k >= 3), None)
@@ -309,7 +375,36 @@ def scripted_analysis(episode, max_steps=None):
     skill = "Avoid this failure: " + "; ".join(rules) + "."
     if plan:
         skill += f" Instead, the key steps are: {route}."
-    return {"episode_summary": summary, "episode_skill": skill}
+    return {"episode_summary": summary, "episode_skill": skill,
+            "step_skills": scripted_step_skills(ep, max_step_skills)}
+
+
+MOVES = ("go to ", "look", "inventory", "examine ", "help")   # ALFWorld actions that change nothing by themselves
+
+
+def scripted_step_skills(episode, cap):
+    """Step skills (0-based step -> one imperative sentence) from what the episode did, at most `cap`, in step
+    order. A failure: the first step where the agent left the expert plan (while it had followed it so far,
+    the state is the plan's, so the plan's move is the right one there), every invalid response, and every
+    repeat of the previous action. A success: its key moves, the valid actions of the plan that are not
+    moves or looks."""
+    ep, plan = episode, [str(a).strip() for a in episode.info.get("expert_plan") or []]
+    found = {}
+    if ep.won:
+        for t, s in enumerate(ep.steps):
+            if s.valid and s.action in plan and not s.action.startswith(MOVES):
+                found[t] = f"Do '{s.action}' now: it is the key step of the workflow at this point."
+        return dict(sorted(found.items())[:cap])
+    acts = [s.action if s.valid else None for s in ep.steps]
+    off = next((t for t, a in enumerate(acts) if t < len(plan) and a != plan[t]), None)
+    if off is not None:
+        found[off] = f"Do '{plan[off]}' at this step: it is the expert's next action from here."
+    for t, s in enumerate(ep.steps):
+        if not s.valid:
+            found.setdefault(t, "Reason briefly, then give exactly one action in the format the prompt asks for.")
+        elif t and s.action and s.action == acts[t - 1]:
+            found.setdefault(t, f"Do not repeat '{s.action}': it did not change anything; choose another action.")
+    return dict(sorted(found.items())[:cap])
 
 
 # ----------------------------------------------------------------------------- the external analyzer
@@ -324,13 +419,14 @@ class ExternalAnalyzer:
     Up to `max_tokens` new tokens (the authors' 1,024). `concurrency` requests run at once."""
 
     def __init__(self, base_url, model, api_key_env="SEED_ANALYZER_KEY", timeout=60, retries=4,
-                 concurrency=8, backoff=1.0, max_tokens=1024, parse_retries=0):
+                 concurrency=8, backoff=1.0, max_tokens=1024, parse_retries=0, skill_mode="episode_only",
+                 max_step_skills=0):
         self.url = base_url.rstrip("/")
         if not self.url.endswith("/chat/completions"):
             self.url += "/chat/completions"
         self.model, self.timeout, self.retries = model, timeout, retries
         self.concurrency, self.backoff, self.max_tokens = concurrency, backoff, max_tokens
-        self.parse_retries = parse_retries
+        self.parse_retries, self.skill_mode, self.max_step_skills = parse_retries, skill_mode, max_step_skills
         self.api_key_env = api_key_env     # the key itself is read per request and kept nowhere
         self._local = threading.local()
 
@@ -376,7 +472,7 @@ class ExternalAnalyzer:
     def _one(self, msgs):
         for _ in range(self.parse_retries + 1):
             text = self.chat(msgs)
-            parsed, why = _parse(text, lenient=True)
+            parsed, why = _parse(text, True, self.skill_mode, self.max_step_skills)
             if parsed:
                 return parsed
             msgs = msgs + [{"role": "assistant", "content": text},
@@ -385,7 +481,7 @@ class ExternalAnalyzer:
 
     def annotate(self, prompts, progress=True):
         """`prompts`: one analysis prompt (chat messages, `fit_prompt`) per episode. -> one
-        {"episode_summary", "episode_skill"} (a non-empty skill) or None per prompt, in order."""
+        {"episode_summary", "episode_skill", "step_skills"} (a non-empty skill) or None per prompt, in order."""
         from tqdm import tqdm
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(tqdm(pool.map(self._one, prompts), total=len(prompts), desc="external analyzer",

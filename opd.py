@@ -64,10 +64,34 @@ def rlsd_weights(lp, lp_skill, adv, eps=0.2, strength=1.0):
     return 1.0 + strength * (w - 1.0)                                           # [rows, R]
 
 
+TEACHER_MODES = ("step_priority", "additive")   # how a step skill and the episode skill share the teacher
+
+
+def teacher_skills(episode, t, skill_mode="episode_only", teacher_mode="step_priority"):
+    """The skills in step t's teacher context h~, as the authors' select_skill_teacher_sources:
+    -> (episode skill or None, step skill or None), or None when the row gets no teacher (no OPD).
+    episode_only: the episode skill; step_only: the step skill, where the step has one; episode_step with
+    step_priority: the step skill where the step has one, else the episode skill; additive: both."""
+    step = (episode.step_skills.get(t) or None) if skill_mode != "episode_only" else None
+    ep_skill = (episode.skill or None) if skill_mode != "step_only" else None
+    if skill_mode == "episode_step" and teacher_mode == "step_priority" and step:
+        ep_skill = None
+    return (ep_skill, step) if ep_skill or step else None
+
+
+def row_teachers(episodes, cfg):
+    """teacher_skills of every step row of `episodes` (in make_rows' order), by --skill_mode and
+    --skill_teacher_mode."""
+    return [teacher_skills(ep, t, cfg.skill_mode, cfg.skill_teacher_mode)
+            for ep in episodes for t in range(len(ep.steps))]
+
+
 def skill_prompt_ids(tokenizer, step, skill, env_name):
-    """The skill-augmented context h~ of one step, as chat token ids (through `rollout.chat_ids`). A visual
-    step (its prompt_ids a vision.ImagePrompt) keeps its images; the skill is text, inserted the same way."""
-    text = envs.insert_skill(step.prompt_text, skill, env_name)
+    """The skill-augmented context h~ of one step, as chat token ids (through `rollout.chat_ids`). `skill`: the
+    episode skill (a str) or an (episode skill, step skill) pair (teacher_skills). A visual step (its
+    prompt_ids a vision.ImagePrompt) keeps its images; the skills are text, inserted the same way."""
+    ep_skill, step_skill = skill if isinstance(skill, tuple) else (skill, None)
+    text = envs.insert_skill(step.prompt_text, ep_skill, env_name, step_skill)
     if getattr(step.prompt_ids, "images", None):
         return vision.encode(vision.load_processor(step.prompt_ids.source), text, step.prompt_ids.images)
     return rollout.chat_ids(tokenizer, text)
@@ -77,7 +101,8 @@ def skill_prompt_ids(tokenizer, step, skill, env_name):
 def rescore(model, tokenizer, rows, skills, env_names, micro_batch=8):
     """Log-probs of each row's sampled response under the skill-augmented context, no gradient.
 
-    rows: list of rollout.Step; skills: one str or None per row; env_names: one env name per row (or one
+    rows: list of rollout.Step; skills: one per row, a str (the episode skill), an (episode skill, step skill)
+    pair (teacher_skills) or None; env_names: one env name per row (or one
     str for all). The response token ids are appended as they were sampled (never re-tokenized). Rows
     whose skill is None (or empty) are scored under their plain prompt `step.prompt_ids`, so their gate is
     0.5; the caller masks them out with its has-skill mask. Rows are sorted by length and scored in
@@ -103,12 +128,14 @@ def rescore(model, tokenizer, rows, skills, env_names, micro_batch=8):
 
 @torch.no_grad()
 def rescore_rows(model, tokenizer, steps, skills, cfg, device):
-    """Section 3.3: lp_skill of an update's rows whose episode has a skill (rescore, one forward per chunk);
-    the other rows get zeros, which the has-skill mask removes from the loss."""
+    """Section 3.3: lp_skill of an update's rows that have a teacher (`skills`: one per row, as `rescore`
+    takes them; rescore, one forward per chunk); the other rows get zeros, which the has-skill mask removes
+    from the loss."""
     out = [torch.zeros(len(s.response_ids)) for s in steps]
     todo = [i for i, k in enumerate(skills) if k]
+    size = lambda k: sum(len(x or "") for x in (k if isinstance(k, tuple) else (k,)))
     # sorted across the whole batch (prompt + skill characters, then response): chunks of similar lengths
-    todo = sorted(todo, key=lambda i: (len(steps[i].prompt_text) + len(skills[i]), len(steps[i].response_ids)))
+    todo = sorted(todo, key=lambda i: (len(steps[i].prompt_text) + size(skills[i]), len(steps[i].response_ids)))
     for idx in chunked(len(todo), cfg.micro_batch_size, cfg.fsdp):
         rows = [todo[j] for j in idx] if idx else [0]   # FSDP filler forward; result dropped
         with autocast(device, resolved_dtype(cfg)):

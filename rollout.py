@@ -52,6 +52,7 @@ class Episode:
     info: dict = field(default_factory=dict)   # env extras from reset (e.g. expert_plan)
     summary: str | None = None  # analyzer's episode_summary
     skill: str | None = None    # analyzer's episode_skill (None until analyzed or when parsing failed)
+    step_skills: dict = field(default_factory=dict)   # analyzer's step_skills: 0-based step -> one sentence
 
     @property
     def length(self):

@@ -96,6 +96,10 @@ class Config:
     analyzer_max_tokens: int = 1024    # new tokens per analysis (authors' cap 4096; the JSON needs a few hundred)
     analyzer_retries: int = 0          # corrective re-asks on a parse failure (authors: none; ours rescued nothing)
     skill_library: str = ""            # Stage-1 skill library ("" = <init>/skills.jsonl)
+    skill_mode: str = "episode_step"   # skills the analyzer writes: episode_step | episode_only | step_only
+    skill_teacher_mode: str = "step_priority"   # a step with a step skill: step_priority (it alone) | additive (both)
+    max_step_skills: int = 5           # step skills per episode at most (authors' launchers: 5; Search 2)
+    selector: str = "llm"              # who picks the critical steps: llm (the analyzer itself, the authors' SEED)
     # -- objective (the joint objective, Section 3.3; values of Appendix B.4 and the official launchers)
     lr: float = 1e-6                   # AdamW learning rate, constant
     weight_decay: float = 0.01         # AdamW weight decay
@@ -121,14 +125,17 @@ class Config:
     save_every: int = 10               # checkpoint every this many updates (and after the last)
 
 
-# The env columns of DESIGN section 3 (ALFWorld = the dataclass defaults).
+# The env columns of DESIGN section 3 (ALFWorld = the dataclass defaults); the skill modes are the authors'
+# launchers' (examples/seed_trainer/_common/*.sh): critical-step skills on ALFWorld, WebShop and Search.
 ENV_DEFAULTS = {
     "alfworld": dict(),
     "webshop": dict(max_steps=15, history_length=2, max_prompt_tokens=4096, adv_norm="mean_norm"),
     "search": dict(tasks_per_update=128, max_steps=4, history_length=4, max_prompt_tokens=4096,
-                   kl_coef=0.001, ent_coef=0.0),
-    "sokoban": dict(max_steps=15, history_length=2, max_prompt_tokens=1024, max_tokens=256),
-    "ezpoints": dict(max_steps=5, history_length=2, max_prompt_tokens=1024, max_tokens=256),
+                   kl_coef=0.001, ent_coef=0.0, max_step_skills=2),
+    "sokoban": dict(max_steps=15, history_length=2, max_prompt_tokens=1024, max_tokens=256,
+                    skill_mode="episode_only", max_step_skills=2),
+    "ezpoints": dict(max_steps=5, history_length=2, max_prompt_tokens=1024, max_tokens=256,
+                     skill_mode="episode_only", max_step_skills=0),
 }
 
 
@@ -192,16 +199,30 @@ def rl_update(u, run):
         if cfg.kl_coef > 0:
             rows.ref = grpo.batch_logprobs(run.ref, rows, pad_id, cfg, run.device)
     with timed(sec, "rescore"):   # 5. re-score under the skill-augmented context (rows with a skill are distilled)
+        teachers = opd.row_teachers(episodes, cfg)        # per row: (episode skill, step skill) or None
         if cfg.algo in RESCORE:
-            rows.skill = opd.rescore_rows(run.fwd, run.tok, steps, [episodes[e].skill for e in ep_of], cfg,
-                                           run.device)
+            rows.has_skill = torch.tensor([1.0 if k else 0.0 for k in teachers])
+            rows.skill = opd.rescore_rows(run.fwd, run.tok, steps, teachers, cfg, run.device)
     with timed(sec, "update"):    # 6. mini-batch updates of the joint objective, one pass, rows shuffled
         order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
         sums, norms = update_policy(model, run.opt, rows, cfg, pad_id, world, run.device, order, main_rank,
                                     u / max(cfg.updates, 1), run.skip_streak, u)
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
         rollout.push(run.engine, model, run.opt)
-    return rollout.episode_metrics(episodes, stats) | loss_metrics(sums, norms, cfg.algo) | sec, records
+    return (rollout.episode_metrics(episodes, stats) | step_skill_metrics(episodes, teachers, cfg)
+            | loss_metrics(sums, norms, cfg.algo) | sec, records)
+
+
+def step_skill_metrics(episodes, teachers, cfg):
+    """Over all ranks: step_skill_rate, the share of analyzed episodes (a skill parsed) with at least one step
+    skill; step_skill_row_frac, the share of rows whose teacher context holds a step skill."""
+    if cfg.skill_mode == "episode_only" or cfg.algo not in LIVE_ANALYZER:
+        return {}
+    analyzed = [ep for ep in episodes if ep.skill or ep.step_skills]
+    n, with_steps, rows, step_rows = all_sum([len(analyzed), sum(bool(ep.step_skills) for ep in analyzed),
+                                               len(teachers), sum(bool(k and k[1]) for k in teachers)])
+    return {"step_skill_rate": with_steps / n if n else float("nan"),
+            "step_skill_row_frac": step_rows / max(rows, 1)}
 
 
 def analyze(engine, tok, episodes, cfg, progress, chunk=32):
@@ -211,7 +232,8 @@ def analyze(engine, tok, episodes, cfg, progress, chunk=32):
     stats = {"episodes": 0, "parse_failures": 0, "first_try_failures": 0}
     for i in tqdm(range(0, len(episodes), chunk), desc="analyze", disable=not progress, leave=False):
         st = analyzer.analyze(engine, tok, episodes[i:i + chunk], max_tokens=cfg.analyzer_max_tokens,
-                              retries=cfg.analyzer_retries, max_prompt_tokens=cfg.analyzer_max_prompt_tokens)
+                              retries=cfg.analyzer_retries, max_prompt_tokens=cfg.analyzer_max_prompt_tokens,
+                              skill_mode=cfg.skill_mode, max_step_skills=cfg.max_step_skills)
         stats = {k: stats[k] + st[k] for k in stats}
     return stats
 
@@ -377,6 +399,14 @@ def validate(cfg):
                                  "micro_batch_size", "analyzer_max_tokens", "analyzer_max_prompt_tokens"))
     if cfg.adv_norm not in ("std", "mean_norm") or cfg.adv_level not in ("step", "trajectory"):
         fail("--adv_norm must be std|mean_norm and --adv_level step|trajectory")
+    if cfg.skill_mode not in analyzer.SKILL_MODES or cfg.skill_teacher_mode not in opd.TEACHER_MODES:
+        fail(f"--skill_mode must be {'|'.join(analyzer.SKILL_MODES)} and --skill_teacher_mode "
+             f"{'|'.join(opd.TEACHER_MODES)}, got {cfg.skill_mode!r}, {cfg.skill_teacher_mode!r}")
+    if cfg.selector != "llm":
+        fail(f"--selector {cfg.selector!r}: only llm (the analyzer picks the critical steps; the authors' SEED "
+             f"accepts no other selector)")
+    if cfg.max_step_skills < 0 or (cfg.skill_mode == "step_only" and cfg.max_step_skills == 0):
+        fail(f"--max_step_skills must be 0 or more (at least 1 with --skill_mode step_only), got {cfg.max_step_skills}")
     if cfg.init and not os.path.isfile(os.path.join(cfg.init, "config.json")):
         fail(f"--init {cfg.init} is not a checkpoint folder (no config.json); run sft.py first, "
              f"or pass --init '' for the no-SFT ablation")

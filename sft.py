@@ -69,6 +69,8 @@ class SFTConfig:
     annotate_batch: int = 32           # episodes per annotation round (each round is cached)
     analyzer_max_prompt_tokens: int = 16384   # analysis prompt budget, as seed.py's (the same prompt in both stages)
     analyzer_max_tokens: int = 1024    # new tokens per external analysis (authors' 1,024), kept free in the context
+    skill_mode: str = "episode_step"   # skills the labels hold, as seed.py's (the per-env defaults are shared)
+    max_step_skills: int = 5           # step skills per label at most, as seed.py's
     epochs: int = 3                    # SFT epochs
     val_fraction: float = 0.1          # share of the (prompt, JSON) pairs held out for the validation loss (seeded)
     lr: float = 5e-6                   # AdamW peak learning rate (Sokoban / EZPoints 2e-6)
@@ -98,6 +100,8 @@ def validate(cfg):
         runfolder.fail(f"--stage warmup (and --replay) needs an env with an expert: {', '.join(EXPERT_THOUGHTS)}")
     if bool(cfg.analyzer_url) != bool(cfg.analyzer_model):
         runfolder.fail("the external analyzer needs both --analyzer_url and --analyzer_model")
+    if cfg.skill_mode not in analyzer.SKILL_MODES or cfg.max_step_skills < 0:
+        runfolder.fail(f"--skill_mode must be {'|'.join(analyzer.SKILL_MODES)} and --max_step_skills 0 or more")
     if cfg.env == "webshop" and not cfg.analyzer_url:
         runfolder.fail("WebShop has no expert plan for the scripted annotator; pass --analyzer_url/--analyzer_model")
     if not (0 <= cfg.val_fraction < 1 and 0 <= cfg.warmup_ratio < 1):
@@ -211,20 +215,24 @@ def prompt_budget(cfg):
 def annotate(cfg, cache, rank, world, episodes, tok, budget):
     """Label every episode (external endpoint, reading the `fit_prompt` of the episode at `budget` tokens, or
     scripted), caching each round: labels already in the cache are never requested again. Keeps a label
-    whose episode_skill is a non-empty string (the authors' filter).
-    -> {key: {"episode_summary", "episode_skill"} or None}."""
+    whose episode_skill is a non-empty string (the authors' filter; step_only: one step skill), its step
+    skills by --skill_mode / --max_step_skills.
+    -> {key: {"episode_summary", "episode_skill", "step_skills"} or None}."""
     labels = {d["key"]: d["analysis"] for d in read_jsonl(os.path.join(cache, "labels.rank*.jsonl"))}
     keys = sorted(episodes)
     todo = [k for n, k in enumerate(keys) if n % world == rank and k not in labels]
+    mode, k = cfg.skill_mode, cfg.max_step_skills if cfg.skill_mode != "episode_only" else 0
     client = (analyzer.ExternalAnalyzer(cfg.analyzer_url, cfg.analyzer_model, api_key_env=cfg.analyzer_key_env,
-                                        max_tokens=cfg.analyzer_max_tokens) if cfg.analyzer_url else None)
+                                        max_tokens=cfg.analyzer_max_tokens, skill_mode=mode, max_step_skills=k)
+              if cfg.analyzer_url else None)
     bar = tqdm(total=len(todo), desc="annotate", disable=rank != 0)
     for i in range(0, len(todo), cfg.annotate_batch):
         batch = todo[i:i + cfg.annotate_batch]
         eps = [episodes[k] for k in batch]
-        raw = (client.annotate([analyzer.fit_prompt(ep, tok, budget) for ep in eps], progress=False) if client
-               else [analyzer.scripted_analysis(ep) for ep in eps])
-        parsed = [analyzer.parse_analysis(json.dumps(a), lenient=True) if a else None for a in raw]
+        raw = (client.annotate([analyzer.fit_prompt(ep, tok, budget, mode, k) for ep in eps], progress=False)
+               if client else [analyzer.scripted_analysis(ep, max_step_skills=k) for ep in eps])
+        parsed = [analyzer.parse_analysis(json.dumps(a), True, mode, k, ep.length) if a else None
+                  for a, ep in zip(raw, eps)]
         append_jsonl(os.path.join(cache, f"labels.rank{rank}.jsonl"),
                      [{"key": k, "analysis": p} for k, p in zip(batch, parsed)])
         bar.update(len(batch))
@@ -233,15 +241,27 @@ def annotate(cfg, cache, rank, world, episodes, tok, budget):
     return {d["key"]: d["analysis"] for d in read_jsonl(os.path.join(cache, "labels.rank*.jsonl"))}
 
 
-def make_examples(tok, episodes, labels, budget):
-    """The analysis prompt Stage 2 would feed (fit_prompt at `budget` tokens; chat ids) -> the label as compact
-    JSON + end-of-turn token."""
+def label_json(lab, skill_mode="episode_only"):
+    """A label as the compact JSON the analyzer is taught to write, with the fields its prompt asks for."""
+    out = {"episode_summary": lab["episode_summary"]}
+    if skill_mode != "step_only":
+        out["episode_skill"] = lab["episode_skill"]
+    if skill_mode != "episode_only":   # 0-based step keys, in step order ({} when the label has none)
+        steps = sorted((lab.get("step_skills") or {}).items(), key=lambda x: int(x[0]))
+        out["step_skills"] = {str(t): k for t, k in steps}
+    return json.dumps(out)
+
+
+def make_examples(tok, episodes, labels, budget, skill_mode="episode_only", max_step_skills=0):
+    """The analysis prompt Stage 2 would feed (fit_prompt at `budget` tokens, in the same skill mode; chat ids)
+    -> the label as compact JSON (label_json) + end-of-turn token."""
     out = []
     for key in sorted(labels):
         lab = labels[key]
         if lab and key in episodes:
-            prompt = rollout.chat_ids(tok, analyzer.fit_prompt(episodes[key], tok, budget))
-            target = json.dumps({"episode_summary": lab["episode_summary"], "episode_skill": lab["episode_skill"]})
+            msgs = analyzer.fit_prompt(episodes[key], tok, budget, skill_mode, max_step_skills)
+            prompt = rollout.chat_ids(tok, msgs)
+            target = label_json(lab, skill_mode)
             out.append((prompt, tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
     return out
 
@@ -405,7 +425,8 @@ def main(argv=None):
     tok, budget = _tokenizer(cfg.model), prompt_budget(cfg)
     labels = annotate(cfg, cache, rank, world, episodes, tok, budget)
     t_annotate = time.time() - t0 - t_collect
-    examples = make_examples(tok, episodes, labels, budget)
+    examples = make_examples(tok, episodes, labels, budget, cfg.skill_mode,
+                             cfg.max_step_skills if cfg.skill_mode != "episode_only" else 0)
     if not examples:
         runfolder.fail("no annotation parsed: nothing to fine-tune on (see the labels in " + cache + ")")
     train, val = split_pairs(examples, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))

@@ -139,12 +139,15 @@ def test_thirty_step_alfworld_episode_is_analyzed_whole(tokenizer, model_path, c
     text = tokenizer.decode(ids)
     assert len(ids) + cfg.analyzer_max_tokens <= context
     for t, s in enumerate(ep.steps):                                       # every step, whole
-        assert f"## Step {t + 1}\nObservation: {s.observation}\nAgent response: {s.response_text}\n" in text
+        assert f"## Step {t}\nObservation: {s.observation}\nAgent response: {s.response_text}\n" in text
     assert "trimmed" not in text and "[...]" not in text and "omitted" not in text
-    assert ids == rollout.chat_ids(tokenizer, analyzer.analysis_prompt(ep))
-    print(f"30-step episode: {len(analyzer.analysis_prompt(ep)[1]['content'])} characters, {len(ids)} tokens")
+    whole = analyzer.analysis_prompt(ep, None, cfg.skill_mode, cfg.max_step_skills)   # ALFWorld: episode_step
+    assert ids == rollout.chat_ids(tokenizer, whole) and '"step_skills": {"0":' in text
+    print(f"30-step episode: {len(whole[1]['content'])} characters, {len(ids)} tokens")
     label = json.loads(GOOD)                                               # Stage 1: the same prompt
-    (prompt, target), = sft.make_examples(tokenizer, {"0:0": ep}, {"0:0": label}, sft.prompt_budget(sft.SFTConfig()))
+    sc = sft.SFTConfig()
+    (prompt, target), = sft.make_examples(tokenizer, {"0:0": ep}, {"0:0": label}, sft.prompt_budget(sc),
+                                          sc.skill_mode, sc.max_step_skills)
     assert prompt == ids and tokenizer.decode(target).startswith('{"episode_summary"')
 
 
@@ -177,7 +180,8 @@ def test_analysis_budget_is_the_analyzers_own_capped_by_the_model(model_path, tm
 ])
 def test_parse_analysis_accepts(text):
     out = analyzer.parse_analysis(text)
-    assert out is not None and set(out) == {"episode_summary", "episode_skill"}
+    assert out is not None and set(out) == {"episode_summary", "episode_skill", "step_skills"}
+    assert out["step_skills"] == {}                                          # episode_only (the default)
     assert "apple" in out["episode_skill"] and "fridge" in out["episode_skill"]
 
 
@@ -204,7 +208,7 @@ def test_parse_analysis_rejects(text):
 def test_parse_analysis_lenient_keeps_any_non_empty_skill():
     """Stage 1's label filter (the authors' pipeline): a non-empty skill string is kept, even a trivial one."""
     assert analyzer.parse_analysis('{"episode_summary": "ok", "episode_skill": "N/A"}', lenient=True) == \
-        {"episode_summary": "ok", "episode_skill": "N/A"}
+        {"episode_summary": "ok", "episode_skill": "N/A", "step_skills": {}}
     for text in ('{"episode_summary": "ok", "episode_skill": "  "}', '{"episode_skill": 42}', "no JSON", None):
         assert analyzer.parse_analysis(text, lenient=True) is None
 
@@ -452,7 +456,7 @@ def test_external_analyzer_errors_then_timeout_then_json(monkeypatch):
         out = client.annotate([prompt], progress=False)
     finally:
         server.close()
-    assert out == [json.loads(GOOD)]
+    assert out == [json.loads(GOOD) | {"step_skills": {}}]
     assert len(server.requests) == 6
     path, headers, body = server.requests[0]
     assert path == "/v1/chat/completions" and headers["Authorization"] == "Bearer sk-secret-123"
@@ -539,3 +543,85 @@ def test_library_bm25_sees_card_values():
         got = int(lib.retrieve("ezpoints", env.family, "please " + env.task).split()[1])
         hits += values[got] == values[t]
     assert hits == 40
+
+
+# ----------------------------------------------------------------------------- critical-step skills
+
+STEPPED = ('{"episode_summary": "It looped.", "episode_skill": "Find the apple first, then cool it in the fridge.", '
+           '"step_skills": {"0": "Go to the countertop where apples usually are.", "2": "Take the apple before '
+           'anything else.", "x": "Not a step number at all here.", "-1": "A negative step is not a step.", '
+           '"7": "Step seven does not exist in this episode.", "1": "ok", " 1 ": "Write the action inside the '
+           'action tags."}}')
+
+
+def test_step_skills_parse_with_the_authors_keys_and_rules():
+    """0-based string keys become ints; a key that is no number, a negative or out-of-range step, and a trivial
+    value are dropped; the first max_step_skills kept, in the answer's order; episode_only keeps none."""
+    out = analyzer.parse_analysis(STEPPED, skill_mode="episode_step", max_step_skills=5, n_steps=3)
+    assert out["episode_skill"].startswith("Find the apple")
+    assert out["step_skills"] == {0: "Go to the countertop where apples usually are.",
+                                  2: "Take the apple before anything else.",
+                                  1: "Write the action inside the action tags."}
+    assert list(analyzer.parse_analysis(STEPPED, skill_mode="episode_step", max_step_skills=2,
+                                        n_steps=3)["step_skills"]) == [0, 2]
+    assert analyzer.parse_analysis(STEPPED, skill_mode="episode_only", max_step_skills=5)["step_skills"] == {}
+    # step_only: the step skills are the analysis; no usable one, no analysis
+    out = analyzer.parse_analysis(STEPPED, skill_mode="step_only", max_step_skills=5, n_steps=3)
+    assert out["episode_skill"] == "" and list(out["step_skills"]) == [0, 2, 1]
+    for bad in ('{"step_skills": {"9": "Out of range step skill here."}}', '{"step_skills": ["a", "b"]}',
+                '{"episode_skill": "Find the apple first, then cool it."}', '{"step_skills": {"0": 5}}'):
+        assert analyzer.parse_analysis(bad, skill_mode="step_only", max_step_skills=5, n_steps=3) is None
+    # a malformed step_skills never costs the episode skill, and nothing raises
+    for odd in ('[1, 2]', '"text"', 'null', '{"0": {"nested": 1}}', '{"0": ["Go to", "the fridge now."]}'):
+        text = GOOD[:-1] + ', "step_skills": ' + odd + "}"
+        out = analyzer.parse_analysis(text, skill_mode="episode_step", max_step_skills=5, n_steps=3)
+        assert out["episode_skill"] == json.loads(GOOD)["episode_skill"]
+        assert out["step_skills"] == ({0: "Go to the fridge now."} if "fridge now" in odd else {})
+    for text in ("{", '{"step_skills": {"0": "Go', None, 42, "```json\n{]\n```"):
+        assert analyzer.parse_analysis(text, skill_mode="episode_step", max_step_skills=5) is None
+
+
+def test_analysis_prompt_asks_for_step_skills_by_mode():
+    ep = episode(False, STEPS)
+    ask = lambda mode, k: analyzer.analysis_prompt(ep, None, mode, k)[1]["content"]
+    both = ask("episode_step", 5)
+    assert '"episode_skill"' in both and '"step_skills": {"0":' in both and "at most 3 critical step(s)" in both
+    assert "## Step 0\n" in both and "## Step 2\n" in both and "## Step 3" not in both
+    assert '"step_skills"' not in ask("episode_only", 5) and '"step_skills"' not in ask("episode_step", 0)
+    only = ask("step_only", 2)
+    assert '"step_skills"' in only and '"episode_skill"' not in only and "at most 2 critical" in only
+
+
+def test_scripted_analysis_writes_step_skills():
+    """The scripted annotator marks where a failure left the expert plan, its invalid responses and repeats;
+    a success's key moves. Each is one sentence the strict parse accepts, at most max_step_skills."""
+    plan = ["go to countertop 1", "take apple 1 from countertop 1", "go to fridge 1", "cool apple 1 with fridge 1"]
+    steps = [STEPS[0], STEPS[1], ("Nothing happens.", "<action>go to countertop 1</action>", True, "go to countertop 1"),
+             ("Nothing happens.", "<action>go to countertop 1</action>", True, "go to countertop 1")]
+    out = analyzer.scripted_analysis(episode(False, steps, info={"expert_plan": plan}), max_step_skills=5)
+    assert sorted(out["step_skills"]) == [1, 3]
+    assert "take apple 1 from countertop 1" in out["step_skills"][1] and "repeat" in out["step_skills"][3]
+    assert analyzer.parse_analysis(json.dumps(out), skill_mode="episode_step", max_step_skills=5, n_steps=4) == out
+    assert list(analyzer.scripted_analysis(episode(False, steps, info={"expert_plan": plan}),
+                                           max_step_skills=1)["step_skills"]) == [1]
+    won = [STEPS[0], STEPS[2]]
+    out = analyzer.scripted_analysis(episode(True, won, info={"expert_plan": plan}), max_step_skills=5)
+    assert list(out["step_skills"]) == [1] and "take apple 1" in out["step_skills"][1]
+    assert analyzer.scripted_analysis(episode(True, won, info={"expert_plan": plan}))["step_skills"] == {}
+
+
+class SteppedEngine(RecordingEngine):
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        ids = self.tok(STEPPED, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        return [(ids, [0.0] * len(ids)) for _ in prompt_ids_list]
+
+
+def test_analyze_sets_step_skills(tokenizer):
+    eps = [episode(False, STEPS), episode(False, STEPS[:1])]
+    analyzer.analyze(SteppedEngine(tokenizer, 4096), tokenizer, eps, max_tokens=256, skill_mode="episode_step",
+                     max_step_skills=5)
+    assert eps[0].skill.startswith("Find the apple") and sorted(eps[0].step_skills) == [0, 1, 2]
+    assert list(eps[1].step_skills) == [0]                               # a 1-step episode has step 0 only
+    analyzer.analyze(SteppedEngine(tokenizer, 4096), tokenizer, eps, max_tokens=256, skill_mode="step_only",
+                     max_step_skills=5)
+    assert eps[0].skill is None and sorted(eps[0].step_skills) == [0, 1, 2]

@@ -190,3 +190,50 @@ def test_rescore_empty_skill_equals_plain_and_skill_changes_it(smol):
     assert ((g * mask) != 0.5 * mask).any()
     with pytest.raises(ValueError):
         opd.rescore(model, tok, steps, [SKILL], "alfworld")
+
+
+# ----------------------------------------------------------------------------- critical-step skills in the teacher
+
+def _analyzed(skill, step_skills, n=3):
+    ep = rollout.Episode(task_id=0, group_id=0, env="alfworld", task="heat an apple", skill=skill,
+                         step_skills=dict(step_skills))
+    ep.steps = [Step(prompt_text=PROMPT, prompt_ids=[], response_ids=[1], response_text="", old_logprobs=[0.0],
+                     observation="", action="", valid=True) for _ in range(n)]
+    return ep
+
+
+@pytest.mark.parametrize("mode,teacher,want", [
+    # (skill_mode, skill_teacher_mode, the teacher of steps 0, 1, 2 when step 1 has a step skill)
+    ("episode_step", "step_priority", [("E", None), (None, "S1"), ("E", None)]),
+    ("episode_step", "additive", [("E", None), ("E", "S1"), ("E", None)]),
+    ("step_only", "step_priority", [None, (None, "S1"), None]),
+    ("step_only", "additive", [None, (None, "S1"), None]),
+    ("episode_only", "step_priority", [("E", None)] * 3),
+    ("episode_only", "additive", [("E", None)] * 3),
+])
+def test_teacher_skills_follow_the_authors_selection(mode, teacher, want):
+    """The cases of the authors' select_skill_teacher_sources tests: step_priority scores a step with its step
+    skill when it has one and with the episode skill otherwise; additive with both; step_only only the steps
+    that have a step skill (no episode fallback); episode_only never the step skill. An unanalyzed episode
+    (skill None, no step skills) has no teacher."""
+    ep = _analyzed("E", {1: "S1"})
+    cfg = type("Cfg", (), {"skill_mode": mode, "skill_teacher_mode": teacher})
+    assert opd.row_teachers([ep], cfg) == want
+    assert opd.row_teachers([_analyzed(None, {})], cfg) == [None] * 3
+
+
+def test_teacher_context_holds_the_chosen_sections(tokenizer):
+    """The re-scoring context of each mode: step_priority's step row holds the step section only, additive's
+    both (episode after the task line, step before the turn instruction), an episode row the episode one."""
+    ep = _analyzed("Heat the apple in the microwave first.", {1: "Open the microwave now."})
+    step = ep.steps[1]
+    text = lambda sk: tokenizer.decode(opd.skill_prompt_ids(tokenizer, step, sk, "alfworld"))
+    cfg = lambda mode, teacher: type("Cfg", (), {"skill_mode": mode, "skill_teacher_mode": teacher})
+    prio = text(opd.row_teachers([ep], cfg("episode_step", "step_priority"))[1])
+    assert "Critical-Step Skill" in prio and "Open the microwave now." in prio and "Episode-Level Skill" not in prio
+    both = text(opd.row_teachers([ep], cfg("episode_step", "additive"))[1])
+    assert both.index("Your task is to:") < both.index("Episode-Level Skill") < both.index("Critical-Step Skill")
+    assert both.index("Critical-Step Skill") < both.index("Now it's your turn")
+    plain = text(opd.row_teachers([ep], cfg("episode_step", "step_priority"))[0])
+    assert "Episode-Level Skill" in plain and "Critical-Step Skill" not in plain
+    assert text("Heat the apple in the microwave first.") == plain                # a str is the episode skill
