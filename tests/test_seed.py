@@ -56,6 +56,19 @@ def test_flags_env_columns_and_overrides():
     assert (cfg.tasks_per_update, cfg.group_size, cfg.max_steps, cfg.lr, cfg.lambda_opd, cfg.beta_opd) == \
         (16, 8, 30, 1e-6, 0.01, 5.0)
     assert seed.parse_config(["--env", "webshop"]).adv_norm == "mean_norm"
+
+
+def test_skill_modes_per_env_are_the_authors_launchers():
+    """examples/seed_trainer/_common/*.sh at 2cf2fad: ALFWorld, WebShop, Search run critical-step skills with a
+    step_priority teacher (5, 5, 2 step skills per trajectory); Sokoban and EZPoints episode skills. Stage 1
+    writes its labels in the same mode."""
+    want = {"alfworld": ("episode_step", 5), "webshop": ("episode_step", 5), "search": ("episode_step", 2),
+            "sokoban": ("episode_only", 2), "ezpoints": ("episode_only", 0)}
+    for env, (mode, k) in want.items():
+        c = seed.parse_config(["--env", env])
+        assert (c.skill_mode, c.max_step_skills, c.skill_teacher_mode, c.selector) == (mode, k, "step_priority", "llm")
+        s = runfolder.parse_config(["--env", env], sft.SFTConfig, sft.ENV_DEFAULTS)
+        assert (s.skill_mode, s.max_step_skills) == (mode, k)
     assert sft.main.__module__ == "sft" and runfolder.parse_config([], sft.SFTConfig).k0 == 8
 
 
@@ -96,6 +109,10 @@ def test_stage1_draws_m_over_6_tasks_per_alfworld_family(tmp_path):
     (["--env", "sokoban", "--micro_batch_size", "0"], "--micro_batch_size must be positive"),
     (["--env", "sokoban", "--train_fraction", "0"], "--train_fraction must be in (0, 1]"),
     (["--env", "sokoban", "--train_fraction", "1.5"], "--train_fraction must be in (0, 1]"),
+    (["--env", "sokoban", "--skill_mode", "steps"], "--skill_mode must be"),
+    (["--env", "sokoban", "--skill_teacher_mode", "both"], "--skill_teacher_mode"),
+    (["--env", "sokoban", "--selector", "stats"], "--selector 'stats'"),
+    (["--env", "sokoban", "--skill_mode", "step_only", "--max_step_skills", "0"], "at least 1 with"),
 ])
 def test_bad_flags_stop_at_start_up(flags, words, capsys):
     with pytest.raises(SystemExit) as e:
