@@ -4,10 +4,12 @@ Algorithm 1 (Appendix B.3) at a time.
     for update u = 0 .. updates-1:
         tasks      <- B tasks from the data-order RNG; each rank plays its share, N episodes per task
         episodes   <- collect(pi_old)                                  # multi-turn rollouts
-        skills     <- analyze(pi_old, episodes)                        # the same snapshot, greedy (Section 3.3)
+        skills     <- analyze(pi_old, episodes)                        # the same snapshot, greedy (Section 3.3):
+                                                                       # episode skill, step skills (--skill_mode)
         A          <- group advantages of the step rows                # GRPO's group-normalized advantage
         lp_ref, lp_old <- one no-grad pass each over the rows
-        lp_skill   <- rescore(pi_old, rows, skill inserted)            # dual-context re-scoring (Section 3.3)
+        lp_skill   <- rescore(pi_old, rows, skill inserted)            # dual-context re-scoring (Section 3.3):
+                                                                       # step or episode skill (opd.teacher_skills)
         for each mini-batch:  L = L_pg + kl_coef L_kl - ent_coef H + lambda_opd L_opd   (the joint objective)
         AdamW step; push the new weights into the rollout engine (pi_old <- pi_theta)
 
