@@ -214,6 +214,120 @@ def validate(run_dir):
     return worst
 
 
+# ----------------------------------------------------------------------------- FSDP2's gradient accumulation on gloo
+
+def fsdp_update_bytes(c, world, micro_batch, prompt, response, sync_every, compute_bytes=4, math_attention=True):
+    """What one FSDP2 update adds on a rank above its resident state (sharded parameters and AdamW moments),
+    float32 without autocast as on the CPU: the gradients (sync at every micro-batch: the float32 shards,
+    4 N / world; sync only on the last: every parameter's full float32 gradient, 4 N, kept from the first
+    micro-batch on), the root group's own gradient of the backward in flight (the LM head's arrives first,
+    the embeddings' last), the gathered root and two layers (the one computing and the one prefetched),
+    one micro-batch's activations and one logits chunk. -> {term: bytes}."""
+    import grpo
+    N, layer, root, w = shapes(c)
+    tokens = micro_batch * (prompt + response)
+    return {"grads": 4 * N / world if sync_every else 4 * N,
+            "root grad in flight": 4 * root,
+            "gathered": compute_bytes * (root + 2 * layer),
+            "activations": activations(w, tokens, prompt + response, compute_bytes, False, math_attention,
+                                       compute_bytes),
+            "logits chunk": LOGIT_COPIES * min(grpo.LOGITS_CHUNK_BYTES, micro_batch * response * w["V"] * 4)}
+
+
+def _vm(key):
+    """VmRSS / VmHWM of this process in bytes (/proc/self/status)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def accumulation_worker(out, sync, micro_batches, micro_batch, prompt, response):
+    """One rank of `--accumulation` (under torchrun, gloo): the embedded model under FSDP2 in float32, one
+    warm-up update (AdamW's moments exist from then on, as in every update after the first), then one
+    measured update of `micro_batches` micro-batches. Peak resident memory is the kernel's high-water mark
+    (VmHWM, reset by writing 5 to /proc/self/clear_refs just before the update) minus the resident memory
+    at the reset; the parent sets MALLOC_MMAP_THRESHOLD_ so every tensor is its own mapping, returned to
+    the kernel when freed (RSS then follows the live tensors, not glibc's retained heap)."""
+    import contextlib
+    import ctypes
+    import gc
+    import time
+    import torch
+    import torch.distributed as dist
+    import grpo
+    import parallel
+    import rollout
+    import seed
+    rank, world, device = parallel.setup_dist(0)
+    model, tok, path = rollout.load_model(rollout.EMBEDDED)
+    n = micro_batches * micro_batch
+    cfg = seed.Config(algo="grpo", kl_coef=0.0, fsdp=True, dtype="float32", micro_batch_size=micro_batch,
+                      mini_batch_size=world * n, grad_clip=1.0)
+    model = parallel.wrap(model, cfg, device, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(rank)
+    ids = lambda k: torch.randint(10, 40000, (k,), generator=g).tolist()
+    rows = grpo.Rows([ids(prompt) for _ in range(n)], [ids(response) for _ in range(n)],
+                     torch.randn(n, generator=g), torch.zeros(n))
+    if sync == "last":   # the code before: FSDP2 reduce-scatters only in the last micro-batch's backward
+        @contextlib.contextmanager
+        def sync_last(m, enabled):
+            m.set_requires_gradient_sync(enabled)
+            yield
+        seed.grad_sync = sync_last
+    seed.update_policy(model, opt, rows, cfg, tok.pad_token_id, world, device)   # warm-up: AdamW's moments
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    dist.barrier()
+    base = _vm("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                                    # VmHWM := VmRSS
+    t0 = time.perf_counter()
+    seed.update_policy(model, opt, rows, cfg, tok.pad_token_id, world, device)
+    sec = time.perf_counter() - t0
+    mine = {"rank": rank, "base": base, "peak": _vm("VmHWM") - base, "seconds": sec}
+    got = parallel.gather(mine)
+    if rank == 0:
+        c = json.load(open(os.path.join(path, "config.json")))
+        json.dump({"sync": sync, "world": world, "ranks": got, "config": c}, open(out, "w"))
+    parallel.teardown_dist()
+
+
+def accumulation(args):
+    """Sync at every micro-batch against sync only on the last, 2 gloo ranks, the embedded model: the
+    measured peak of one update (max over ranks) against fsdp_update_bytes, and the update's time."""
+    import subprocess
+    import tempfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    mb, P, R, k = args.micro_batch, args.prompt, args.response, args.micro_batches
+    print(f"FSDP2, 2 gloo ranks, the embedded model in float32, {k} micro-batches of {mb} rows x ({P} + {R}) tokens "
+          f"per rank, one AdamW step; peak = VmHWM - VmRSS at the update's start (the larger rank)\n")
+    print("| sync | predicted MiB | measured MiB | predicted / measured | update s |\n|---|---|---|---|---|")
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for sync in ("every", "last"):
+            out = os.path.join(tmp, f"{sync}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   os.path.abspath(__file__), "--accumulation_worker", out, "--sync", sync, "--micro_batches", str(k),
+                   "--micro_batch", str(mb), "--prompt", str(P), "--response", str(R)]
+            p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+            if p.returncode or not os.path.exists(out):
+                sys.exit(f"the {sync} run failed:\n{p.stderr[-3000:]}")
+            r = json.load(open(out))
+            measured = max(x["peak"] for x in r["ranks"])
+            pred = sum(fsdp_update_bytes(r["config"], r["world"], mb, P, R, sync == "every").values())
+            worst = max(worst, abs(pred / measured - 1))
+            sec = max(x["seconds"] for x in r["ranks"])
+            print(f"| {sync} micro-batch | {pred / 2**20:.0f} | {measured / 2**20:.0f} | {pred / measured:.2f} | {sec:.1f} |")
+    print(f"\nlargest deviation {worst * 100:.0f} % ({'within' if worst <= 0.25 else 'OUTSIDE'} +-25 %)")
+    return worst
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="", help="a local config.json instead of the built-in Qwen table")
@@ -228,7 +342,17 @@ def main(argv=None):
                     help="seed.py --gradient_checkpointing")
     ap.add_argument("--runtime_gb", type=float, default=1.5, help="CUDA context, NCCL and allocator slack")
     ap.add_argument("--validate", default="", help="a run folder of bench/update_cost.py: predicted vs measured")
+    ap.add_argument("--accumulation", action="store_true",
+                    help="FSDP2 on 2 gloo ranks: the update's peak with sync at every micro-batch vs only the last")
+    ap.add_argument("--micro_batches", type=int, default=4, help="with --accumulation: micro-batches per step")
+    ap.add_argument("--accumulation_worker", default="", help=argparse.SUPPRESS)   # one rank, under torchrun
+    ap.add_argument("--sync", default="every", choices=("every", "last"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.accumulation_worker:
+        return accumulation_worker(args.accumulation_worker, args.sync, args.micro_batches, args.micro_batch,
+                                   args.prompt, args.response)
+    if args.accumulation:
+        return accumulation(args)
     if args.validate:
         return validate(args.validate)
     table(args)
