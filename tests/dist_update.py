@@ -60,7 +60,6 @@ def reference_pass(out, rank, world, device):
     with torch.no_grad():
         ref(input_ids=torch.tensor([rows.prompts[0]]))            # a bare forward: nothing reshards the root
     after_forward = gathered()
-    parallel.reshard(ref)
     local = rows.take(list(range(rank, len(rows), world)))
     grpo.batch_logprobs(ref, local, tok.pad_token_id, cfg, device)
     mine = {"after_forward": after_forward, "after_pass": gathered(),
