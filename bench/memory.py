@@ -268,7 +268,7 @@ def _vm(key):
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def accumulation_worker(out, sync, micro_batches, micro_batch, prompt, response):
+def accumulation_worker(out, sync, micro_batches, micro_batch, prompt, response, timed=True):
     """One rank of `--accumulation` (under torchrun): the embedded model (or $SEED_MEMORY_MODEL) under FSDP2,
     float32 on the CPU (bf16 compute on GPU), one warm-up update (AdamW's moments exist from then on, as in
     every update after the first), then one measured update of `micro_batches` micro-batches and one timed.
@@ -324,14 +324,16 @@ def accumulation_worker(out, sync, micro_batches, micro_batch, prompt, response)
             f.write("5")                                # VmHWM := VmRSS
     update()
     peak = (torch.cuda.max_memory_allocated() if gpu else _vm("VmHWM")) - base
-    if not gpu:
-        libc.mallopt(-3, 32 * 2 ** 20)                  # M_MMAP_THRESHOLD
-    dist.barrier()
-    t0 = time.perf_counter()
-    update()
-    if gpu:
-        torch.cuda.synchronize()
-    sec = time.perf_counter() - t0
+    sec = None
+    if timed:
+        if not gpu:
+            libc.mallopt(-3, 32 * 2 ** 20)              # M_MMAP_THRESHOLD
+        dist.barrier()
+        t0 = time.perf_counter()
+        update()
+        if gpu:
+            torch.cuda.synchronize()
+        sec = time.perf_counter() - t0
     got = parallel.gather({"rank": rank, "base": base, "peak": peak, "seconds": sec})
     if rank == 0:
         c = json.load(open(os.path.join(path, "config.json")))
@@ -339,9 +341,9 @@ def accumulation_worker(out, sync, micro_batches, micro_batch, prompt, response)
     parallel.teardown_dist()
 
 
-def measure_accumulation(sync, micro_batches, micro_batch, prompt, response, ranks=2, timeout=1200):
+def measure_accumulation(sync, micro_batches, micro_batch, prompt, response, ranks=2, timeout=1200, timed=True):
     """accumulation_worker on `ranks` ranks under torchrun -> (predicted bytes, measured bytes (the larger
-    rank), seconds of the update (the slower rank)), or a RuntimeError with the job's stderr."""
+    rank), seconds of the update (the slower rank; None unless timed)), or a RuntimeError with the job's stderr."""
     import subprocess
     import tempfile
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -352,7 +354,8 @@ def measure_accumulation(sync, micro_batches, micro_batch, prompt, response, ran
         out = os.path.join(tmp, f"{sync}.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                os.path.abspath(__file__), "--accumulation_worker", out, "--sync", sync, "--micro_batches",
-               str(micro_batches), "--micro_batch", str(micro_batch), "--prompt", str(prompt), "--response", str(response)]
+               str(micro_batches), "--micro_batch", str(micro_batch), "--prompt", str(prompt), "--response", str(response),
+               *([] if timed else ["--untimed"])]
         p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
         if p.returncode or not os.path.exists(out):
             raise RuntimeError(f"the {sync} run failed:\n{p.stderr[-3000:]}")
@@ -360,7 +363,7 @@ def measure_accumulation(sync, micro_batches, micro_batch, prompt, response, ran
     gpu = r["device"] == "cuda"
     pred = sum(fsdp_update_bytes(r["config"], r["world"], micro_batch, prompt, response, sync == "every",
                                  compute_bytes=2 if gpu else 4, math_attention=not gpu).values())
-    return pred, max(x["peak"] for x in r["ranks"]), max(x["seconds"] for x in r["ranks"])
+    return pred, max(x["peak"] for x in r["ranks"]), (max(x["seconds"] for x in r["ranks"]) if timed else None)
 
 
 def accumulation(args):
@@ -402,10 +405,11 @@ def main(argv=None):
                     help="micro-batches per optimizer step on a rank (seed.py: mini_batch_size / ranks / micro_batch_size)")
     ap.add_argument("--accumulation_worker", default="", help=argparse.SUPPRESS)   # one rank, under torchrun
     ap.add_argument("--sync", default="every", choices=("every", "last"), help=argparse.SUPPRESS)
+    ap.add_argument("--untimed", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.accumulation_worker:
         return accumulation_worker(args.accumulation_worker, args.sync, args.micro_batches, args.micro_batch,
-                                   args.prompt, args.response)
+                                   args.prompt, args.response, timed=not args.untimed)
     if args.accumulation:
         return accumulation(args)
     if args.validate:

@@ -372,9 +372,8 @@ def launch_ranks(args):
     from bench import memory
     import rollout
     gpu = torch.cuda.is_available()
-    print(f"gpu-check --ranks {args.ranks}: torch {torch.__version__}, "
-          f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0) if gpu else 'no CUDA device (gloo, float32)'}",
-          flush=True)
+    where = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else "no CUDA device (gloo, float32)"
+    print(f"gpu-check --ranks {args.ranks}: torch {torch.__version__}, {where}", flush=True)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -406,12 +405,12 @@ def launch_ranks(args):
     mb, P, R, k = (args.micro_batch, args.prompt, args.response, 4) if gpu else (2, 32, 16, 4)
     try:
         os.environ["SEED_MEMORY_MODEL"] = args.model
-        pred, seen, sec = memory.measure_accumulation("every", k, mb, P, R, ranks=args.ranks)
+        pred, seen, _ = memory.measure_accumulation("every", k, mb, P, R, ranks=args.ranks, timed=False)
         ratio = pred / seen
         show(abs(ratio - 1) <= 0.25, "memory [fsdp2]",
              f"{args.ranks} ranks, {k} micro-batches of {mb} x ({P} + {R}) tokens, gradients reduce-scattered at "
              f"every micro-batch: predicted {pred / 2**20:.0f} MiB, measured {seen / 2**20:.0f} MiB "
-             f"({'max_memory_allocated' if gpu else 'VmHWM'}), ratio {ratio:.2f}; update {sec:.1f} s")
+             f"({'max_memory_allocated' if gpu else 'VmHWM'}), ratio {ratio:.2f}")
     except Exception as e:
         show(False, "memory [fsdp2]", f"{type(e).__name__}: {str(e)[-1500:]}")
     failed, ran = results.count(False), sum(r is not None for r in results)

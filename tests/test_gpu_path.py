@@ -85,3 +85,19 @@ def test_gpu_check_uses_an_existing_venv_without_installing(tmp_path):
     assert "--ranks" in p.stdout                                   # gpu_check.py's own help
     assert calls and all("pip" not in c for c in calls), calls
     assert (venv / ".seed-setup").read_text() == "0000000000000000\n"
+
+
+def test_tiny_qwen2_has_qwen2s_layout_and_a_bf16_floor(tmp_path):
+    """gpu_check's Qwen2-layout model: qkv bias, an untied LM head, loadable from its folder; its bf16
+    baseline (a bf16 copy against the float32 model on the same tokens) is positive and small."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import gpu_check
+    import rollout
+    path = gpu_check.build_qwen2(str(tmp_path / "q"))
+    model, tok, _ = rollout.load_model(path)
+    assert model.config.model_type == "qwen2" and not model.config.tie_word_embeddings
+    assert model.model.layers[0].self_attn.k_proj.bias is not None
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    prompt = rollout.chat_ids(tok, "hello there")
+    base = gpu_check.bf16_baseline(model, [prompt], [prompt[:5]], tok.pad_token_id)
+    assert 0.0 < base < 0.5, base
