@@ -278,7 +278,7 @@ def _rank_push(engine, model, tok, device, floor):
     after = max_diff()
     names = list(parallel_unwrap(model).state_dict())
     plain_full = all(kind == "Tensor" for _, kind, _ in streamed) and [n for n, _, _ in streamed] == names
-    ok = before <= floor and after <= floor and stale > max(10 * floor, 3 * after) and plain_full
+    ok = before <= floor and after <= floor and stale > 3 * max(floor, after) and plain_full
     return ok, (f"max |diff| before {before:.2g}, after an update without push {stale:.2g}, after push {after:.2g} "
                 f"(floor {floor:.2g}); {len(streamed)} of {len(names)} weights streamed as full plain tensors: {plain_full}")
 
