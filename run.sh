@@ -9,7 +9,8 @@
 #                       uses an existing venv as it is (no install, no network; SEED_SETUP=1 installs first),
 #                       --ranks N runs it on N ranks under torchrun
 #   ./run.sh memory     the per-rank memory table (bench/memory.py; extra arguments go to it)
-# The virtual environment lives in .venv (or $SEED_VENV); it is rebuilt when the requirements change.
+# The virtual environment lives in .venv (or $SEED_VENV); it is rebuilt when the requirements change
+# (except by gpu-check, which runs from an existing venv as it is and says when set-up would install).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${SEED_VENV:-$PWD/.venv}"
