@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import vision
-from parallel import autocast, chunked, resolved_dtype
+from parallel import autocast, chunked, reshard, resolved_dtype
 
 
 # ----------------------------------------------------------------------------- log-probs of a batch
@@ -138,6 +138,7 @@ def batch_logprobs(model, rows, pad_id, cfg, device):
         if idx:
             for i, t in zip(batch, trim(lp, [len(rows.responses[i]) for i in batch])):
                 out[i] = t
+    reshard(model)   # FSDP2: the root group (embeddings, LM head) would stay gathered after a no-grad pass
     return out
 
 

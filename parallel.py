@@ -110,14 +110,28 @@ def unwrap(model):
 
 @contextlib.contextmanager
 def grad_sync(model, enabled):
-    """Accumulate micro-batch gradients locally; reduce them over ranks only on the last backward."""
+    """Micro-batch gradient accumulation. DDP: accumulate locally (no_sync), reduce over ranks only on the
+    last backward (`enabled`); its gradients are full-size on every rank either way. FSDP2: reduce-scatter
+    at every backward, whatever `enabled` says: without the sync FSDP2 keeps each parameter's full
+    unsharded float32 gradient on every rank until the last micro-batch (4 bytes per parameter, 30 GB at
+    7B), with it only the shard stays (bench/memory.py --accumulation measures both on gloo)."""
     if hasattr(model, "no_sync"):                                   # DDP
         with (contextlib.nullcontext() if enabled else model.no_sync()):
             yield
     else:
         if hasattr(model, "set_requires_gradient_sync"):            # FSDP2
-            model.set_requires_gradient_sync(enabled)
+            model.set_requires_gradient_sync(True)
         yield
+
+
+def reshard(model):
+    """Free FSDP2's gathered parameters after a no-grad pass. Without a backward nothing reshards the
+    root group (embeddings, final norm, LM head: torch keeps it gathered after the forward, expecting a
+    backward), so a frozen reference would hold them gathered for the rest of the run. No-op otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def autocast(device, dtype):

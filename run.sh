@@ -5,9 +5,12 @@
 #   ./run.sh setup      only install
 #   ./run.sh alfworld|webshop|search|sokoban|ezpoints    the paper's recipe on 8 GPUs
 #   ./run.sh sokoban_vl|ezpoints_vl   the visual agents (Appendix C.3, Qwen2.5-VL-3B-Instruct) on 8 GPUs
-#   ./run.sh gpu-check  prove the GPU path on this machine (weight sync, sleep/wake, FSDP2, memory model)
+#   ./run.sh gpu-check  prove the GPU path on this machine (weight sync, sleep/wake, FSDP2, memory model);
+#                       uses an existing venv as it is (no install, no network; SEED_SETUP=1 installs first),
+#                       --ranks N runs it on N ranks under torchrun
 #   ./run.sh memory     the per-rank memory table (bench/memory.py; extra arguments go to it)
-# The virtual environment lives in .venv (or $SEED_VENV); it is rebuilt when the requirements change.
+# The virtual environment lives in .venv (or $SEED_VENV); it is rebuilt when the requirements change
+# (except by gpu-check, which runs from an existing venv as it is and says when set-up would install).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${SEED_VENV:-$PWD/.venv}"
@@ -15,13 +18,15 @@ PY="$VENV/bin/python"
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
+req_file() { if has_gpu; then echo requirements-gpu.txt; else echo requirements-cpu.txt; fi; }
+req_key() { cat "$(req_file)" requirements-extra.txt | sha256sum | cut -c1-16; }
+up_to_date() { [ -f "$VENV/.seed-setup" ] && [ "$(cat "$VENV/.seed-setup")" = "$(req_key)" ]; }
+
 setup() {
-  local req=requirements-cpu.txt
-  has_gpu && req=requirements-gpu.txt
-  local stamp="$VENV/.seed-setup"
-  local key
-  key=$(cat "$req" requirements-extra.txt | sha256sum | cut -c1-16)
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then return; fi
+  local req stamp="$VENV/.seed-setup" key
+  req=$(req_file)
+  key=$(req_key)
+  if up_to_date; then return; fi
   echo "[setup] installing $req into $VENV (first use; about 5-10 minutes on 2 cores)" >&2
   local free_gb
   free_gb=$(df -Pk "$(dirname "$VENV")" 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}') || true
@@ -169,7 +174,15 @@ case "$cmd" in
     setup
     visual_recipe "${cmd%_vl}" "$@" ;;
   gpu-check)
-    setup
+    # A GPU machine may have no network: with a venv in place, never install; say what set-up would do.
+    if [ ! -x "$PY" ] || [ "${SEED_SETUP:-0}" = 1 ]; then
+      setup
+    elif ! up_to_date; then
+      echo "[gpu-check] $VENV was set up for other requirements than $(req_file) + requirements-extra.txt" \
+        "(stamp $(cat "$VENV/.seed-setup" 2>/dev/null || echo none), now $(req_key)): set-up would have to" \
+        "install from the package registry. Not installing; running with the existing venv" \
+        "(to install first: SEED_SETUP=1 ./run.sh gpu-check, or ./run.sh setup)." >&2
+    fi
     exec "$PY" tests/gpu_check.py "$@" ;;
   memory)
     setup

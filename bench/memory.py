@@ -2,7 +2,9 @@
 predicted from a model's config.json before anyone rents GPUs, and checked against measured peaks.
 
 Each rank holds: float32 master parameters, float32 gradients (DDP: views into its buckets, which stay
-allocated; FSDP2: shards, freed before the push), AdamW's two float32 moments, the frozen reference in
+allocated; FSDP2: shards, reduce-scattered at every micro-batch and freed before the push; the code before
+synced only the last micro-batch, and FSDP2 then keeps every parameter's full float32 gradient on every
+rank from the first micro-batch on: the table's "update before"), AdamW's two float32 moments, the frozen reference in
 the compute dtype, and while the engine is awake vLLM's share of the GPU (`--gpu_memory_utilization` of
 the whole GPU: vLLM sizes its KV cache to fill exactly that, vllm/v1/worker/utils.py:724 and
 gpu_worker.py:753 in vLLM 0.33). FSDP2 divides the first four by the world size and adds the gathered
@@ -16,6 +18,9 @@ the push wakes its weights (the model in the engine dtype) while one gathered te
     .venv/bin/python bench/memory.py                       # the table: Qwen x {DDP, FSDP2} on 8 x 80 GB
     .venv/bin/python bench/memory.py --config path/config.json --world 8 --fsdp --micro_batch 4
     .venv/bin/python bench/memory.py --validate .cache/bench/runs/memory-grpo   # against update_cost's peaks
+    .venv/bin/python bench/memory.py --accumulation --micro_batch 2 --prompt 32 --response 16
+        # FSDP2 on 2 gloo ranks: one update's peak with sync at every micro-batch vs only the last,
+        # measured against fsdp_update_bytes, and the update's time
 """
 import argparse
 import json
@@ -36,6 +41,9 @@ MODELS = {
     "Qwen2.5-7B-Instruct": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                                 num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
                                 tie_word_embeddings=False),
+    "Qwen2.5-14B-Instruct": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
+                                 num_key_value_heads=8, intermediate_size=13824, vocab_size=152064,
+                                 tie_word_embeddings=False),
     "Qwen3-1.7B": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True),
 }
@@ -71,9 +79,13 @@ def activations(w, tokens, row_len, act_bytes, checkpointing, math_attention, st
 
 def estimate(c, world=8, fsdp=False, gpu_gb=80.0, util=0.3, micro_batch=8, prompt=2048, response=512,
              checkpointing=True, compute_bytes=2, engine_bytes=2, runtime_gb=1.5, math_attention=False,
-             engine_gb=None, chunk_bytes=None):
+             engine_gb=None, chunk_bytes=None, micro_batches=4, sync_every=True):
     """-> {component: bytes} and {phase: bytes} for one rank. engine_gb: the awake engine's footprint
-    (default util * gpu_gb); runtime_gb: CUDA context, NCCL, allocator slack (or the measured CPU runtime)."""
+    (default util * gpu_gb); runtime_gb: CUDA context, NCCL, allocator slack (or the measured CPU runtime).
+    micro_batches: micro-batches per optimizer step on a rank (the recipe: 256 rows / 8 ranks / 8 = 4).
+    sync_every: FSDP2 reduce-scatters at every micro-batch (parallel.grad_sync now); False: only on the
+    last, as the code did before, when FSDP2 keeps each parameter's full float32 gradient on every rank
+    from the first micro-batch on (torch's unsharded_accumulated_grad)."""
     import grpo
     N, layer, root, w = shapes(c)
     shard = world if fsdp else 1
@@ -84,7 +96,8 @@ def estimate(c, world=8, fsdp=False, gpu_gb=80.0, util=0.3, micro_batch=8, promp
         "params fp32": 4 * N / shard,
         "adamw fp32": 8 * N / shard,
         "reference": compute_bytes * N / shard,
-        "grads fp32": 4 * N / shard,                                # DDP: bucket views, always allocated
+        # DDP: bucket views, always allocated; FSDP2 without sync over several micro-batches: unsharded
+        "grads fp32": 4 * N / (1 if fsdp and not sync_every and micro_batches > 1 else shard),
         "fsdp gathered": (2 * layer + root) * compute_bytes + 4 * root if fsdp and world > 1 else 0.0,
         # autocast keeps a compute-dtype copy of each float32 weight it casts, for the whole forward
         "autocast copies": compute_bytes * N if compute_bytes < 4 and not (fsdp and world > 1) else 0.0,
@@ -111,25 +124,38 @@ RECIPES = [(name, fsdp) for name in MODELS for fsdp in (False, True)]
 
 
 def table(args):
+    k = args.micro_batches
     print(f"per-rank memory on {args.world} x {args.gpu_gb:.0f} GB, micro-batch {args.micro_batch}, prompt "
-          f"{args.prompt} + response {args.response} tokens (the longest rows), gradient checkpointing "
-          f"{'on' if args.checkpointing else 'off'}, bf16 compute / reference / engine, vLLM share "
-          f"{args.util:.2f} ({args.util * args.gpu_gb:.0f} GB awake, 0 asleep at level 2), runtime {args.runtime_gb} GB\n")
+          f"{args.prompt} + response {args.response} tokens (the longest rows), {k} micro-batches per optimizer "
+          f"step, gradient checkpointing {'on' if args.checkpointing else 'off'}, bf16 compute / reference / "
+          f"engine, vLLM share {args.util:.2f} ({args.util * args.gpu_gb:.0f} GB awake, 0 asleep at level 2), "
+          f"runtime {args.runtime_gb} GB. FSDP2 update, before: gradients accumulated unsharded (sync only on the "
+          f"last micro-batch: 4 bytes per parameter on every rank); now: reduce-scattered at every micro-batch\n")
     print("| model | params | wrap (run.sh) | params+grads+AdamW | reference | gathered | activations | logits | "
-          "rollout | update | push | peak | fits |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "rollout | update before | update now | push | peak now | peak phase | fits |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     configs = [(args.config, args.fsdp)] if args.config else RECIPES
+    phases = {}
     for name, fsdp in configs:
         c = json.load(open(name)) if args.config else MODELS[name]
-        part, phase, N = estimate(c, args.world, fsdp, args.gpu_gb, args.util, args.micro_batch, args.prompt,
-                                  args.response, args.checkpointing, runtime_gb=args.runtime_gb)
-        peak = max(phase.values())
+        run = lambda sync: estimate(c, args.world, fsdp, args.gpu_gb, args.util, args.micro_batch, args.prompt,
+                                    args.response, args.checkpointing, runtime_gb=args.runtime_gb,
+                                    micro_batches=k, sync_every=sync)
+        part, phase, N = run(True)
+        _, before, _ = run(False)
+        peak_phase = max(phase, key=phase.get)
+        peak = phase[peak_phase]
+        phases.setdefault(peak_phase, []).append(f"{os.path.basename(str(name))} {'FSDP2' if fsdp else 'DDP'}")
         g = lambda x: f"{x / GB:.1f}"
         recipe = fsdp == (N >= 2.5e9)                                  # run.sh shards 3B and larger
         print(f"| {os.path.basename(str(name))} | {N / 1e9:.2f}B | {'FSDP2' if fsdp else 'DDP'}{' (recipe)' * recipe} | "
               f"{g(part['params fp32'] + part['grads fp32'] + part['adamw fp32'])} | {g(part['reference'])} | "
               f"{g(part['fsdp gathered'])} | {g(part['activations'])} | {g(part['logits chunk'])} | "
-              f"{g(phase['rollout'])} | {g(phase['update'])} | {g(phase['push'])} | **{g(peak)}** | "
-              f"{'yes' if peak <= 0.95 * args.gpu_gb * GB else 'NO'} |")
+              f"{g(phase['rollout'])} | {g(before['update'])} | {g(phase['update'])} | {g(phase['push'])} | "
+              f"**{g(peak)}** | {peak_phase} | {'yes' if peak <= 0.95 * args.gpu_gb * GB else 'NO'} |")
+    print("\nThe peak phase: " + "; ".join(f"{ph} for {', '.join(ns)}" for ph, ns in sorted(phases.items()))
+          + " (rollout: the resident state plus vLLM's awake share; update: gradients, gathered layers, "
+            "activations and logits on top of the resident state while the engine sleeps).")
 
 
 # ----------------------------------------------------------------------------- validation on this CPU
@@ -214,6 +240,151 @@ def validate(run_dir):
     return worst
 
 
+# ----------------------------------------------------------------------------- FSDP2's gradient accumulation on gloo
+
+def fsdp_update_bytes(c, world, micro_batch, prompt, response, sync_every, compute_bytes=4, math_attention=True):
+    """What one FSDP2 update adds on a rank above its resident state (sharded parameters and AdamW moments),
+    float32 on the CPU (compute_bytes 4), bf16-gathered on GPU (2): the gradients (sync at every micro-batch: the float32 shards,
+    4 N / world; sync only on the last: every parameter's full float32 gradient, 4 N, kept from the first
+    micro-batch on), the root group's own gradient of the backward in flight (the LM head's arrives first,
+    the embeddings' last), the gathered root and two layers (the one computing and the one prefetched),
+    one micro-batch's activations and one logits chunk. -> {term: bytes}."""
+    import grpo
+    N, layer, root, w = shapes(c)
+    tokens = micro_batch * (prompt + response)
+    return {"grads": 4 * N / world if sync_every else 4 * N,
+            "root grad in flight": compute_bytes * root,   # in the gathered parameters' dtype
+            "gathered": compute_bytes * (root + 2 * layer),
+            "activations": activations(w, tokens, prompt + response, compute_bytes, False, math_attention,
+                                       compute_bytes),
+            "logits chunk": LOGIT_COPIES * min(grpo.LOGITS_CHUNK_BYTES, micro_batch * response * w["V"] * 4)}
+
+
+def _vm(key):
+    """VmRSS / VmHWM of this process in bytes (/proc/self/status)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def accumulation_worker(out, sync, micro_batches, micro_batch, prompt, response, timed=True):
+    """One rank of `--accumulation` (under torchrun): the embedded model (or $SEED_MEMORY_MODEL) under FSDP2,
+    float32 on the CPU (bf16 compute on GPU), one warm-up update (AdamW's moments exist from then on, as in
+    every update after the first), then one measured update of `micro_batches` micro-batches and one timed.
+    GPU: torch.cuda.max_memory_allocated over the update minus the allocation at its start. CPU: the
+    kernel's high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs just before the update)
+    minus the resident memory at the reset; the parent sets glibc's mmap threshold to 64 KiB
+    (MALLOC_MMAP_THRESHOLD_), so every tensor is its own mapping, returned to the kernel when freed: RSS
+    follows the live tensors, not glibc's retained heap. The time is taken on the update after it, with
+    the threshold at 32 MiB (where glibc's default, dynamic threshold ends up): mapping every tensor
+    afresh costs system time."""
+    import contextlib
+    import ctypes
+    import gc
+    import time
+    import torch
+    import torch.distributed as dist
+    import grpo
+    import parallel
+    import rollout
+    import seed
+    rank, world, device = parallel.setup_dist(0)
+    gpu = device.type == "cuda"
+    model, tok, path = rollout.load_model(os.environ.get("SEED_MEMORY_MODEL", rollout.EMBEDDED))
+    n = micro_batches * micro_batch
+    cfg = seed.Config(algo="grpo", kl_coef=0.0, fsdp=True, dtype="auto", micro_batch_size=micro_batch,
+                      mini_batch_size=world * n, grad_clip=1.0)
+    model = parallel.wrap(model, cfg, device, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(rank)
+    ids = lambda k: torch.randint(10, 40000, (k,), generator=g).tolist()
+    rows = grpo.Rows([ids(prompt) for _ in range(n)], [ids(response) for _ in range(n)],
+                     torch.randn(n, generator=g), torch.zeros(n))
+    if sync == "last":   # the code before: FSDP2 reduce-scatters only in the last micro-batch's backward
+        @contextlib.contextmanager
+        def sync_last(m, enabled):
+            m.set_requires_gradient_sync(enabled)
+            yield
+        seed.grad_sync = sync_last
+    update = lambda: seed.update_policy(model, opt, rows, cfg, tok.pad_token_id, world, device)
+    update()                                            # warm-up: AdamW's moments
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    libc = ctypes.CDLL("libc.so.6")
+    dist.barrier()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        libc.malloc_trim(0)
+        base = _vm("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                                # VmHWM := VmRSS
+    update()
+    peak = (torch.cuda.max_memory_allocated() if gpu else _vm("VmHWM")) - base
+    sec = None
+    if timed:
+        if not gpu:
+            libc.mallopt(-3, 32 * 2 ** 20)              # M_MMAP_THRESHOLD
+        dist.barrier()
+        t0 = time.perf_counter()
+        update()
+        if gpu:
+            torch.cuda.synchronize()
+        sec = time.perf_counter() - t0
+    got = parallel.gather({"rank": rank, "base": base, "peak": peak, "seconds": sec})
+    if rank == 0:
+        c = json.load(open(os.path.join(path, "config.json")))
+        json.dump({"sync": sync, "world": world, "device": device.type, "ranks": got, "config": c}, open(out, "w"))
+    parallel.teardown_dist()
+
+
+def measure_accumulation(sync, micro_batches, micro_batch, prompt, response, ranks=2, timeout=1200, timed=True):
+    """accumulation_worker on `ranks` ranks under torchrun -> (predicted bytes, measured bytes (the larger
+    rank), seconds of the update (the slower rank; None unless timed)), or a RuntimeError with the job's stderr."""
+    import subprocess
+    import tempfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, f"{sync}.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               os.path.abspath(__file__), "--accumulation_worker", out, "--sync", sync, "--micro_batches",
+               str(micro_batches), "--micro_batch", str(micro_batch), "--prompt", str(prompt), "--response", str(response),
+               *([] if timed else ["--untimed"])]
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        if p.returncode or not os.path.exists(out):
+            raise RuntimeError(f"the {sync} run failed:\n{p.stderr[-3000:]}")
+        r = json.load(open(out))
+    gpu = r["device"] == "cuda"
+    pred = sum(fsdp_update_bytes(r["config"], r["world"], micro_batch, prompt, response, sync == "every",
+                                 compute_bytes=2 if gpu else 4, math_attention=not gpu).values())
+    return pred, max(x["peak"] for x in r["ranks"]), (max(x["seconds"] for x in r["ranks"]) if timed else None)
+
+
+def accumulation(args):
+    """Sync at every micro-batch against sync only on the last, 2 ranks (gloo here), the embedded model: the
+    measured peak of one update against fsdp_update_bytes, and the update's time."""
+    mb, P, R, k = args.micro_batch, args.prompt, args.response, args.micro_batches
+    print(f"FSDP2, 2 ranks, the embedded model, {k} micro-batches of {mb} rows x ({P} + {R}) tokens per rank, one "
+          f"AdamW step; peak = what the update adds (the larger rank; accumulation_worker says how it is measured)\n")
+    print("| sync | predicted MiB | measured MiB | predicted / measured | update s |\n|---|---|---|---|---|")
+    worst = 0.0
+    for sync in ("every", "last"):
+        try:
+            pred, measured, sec = measure_accumulation(sync, k, mb, P, R)
+        except RuntimeError as e:
+            sys.exit(str(e))
+        worst = max(worst, abs(pred / measured - 1))
+        print(f"| {sync} micro-batch | {pred / 2**20:.0f} | {measured / 2**20:.0f} | {pred / measured:.2f} | {sec:.1f} |")
+    print(f"\nlargest deviation {worst * 100:.0f} % ({'within' if worst <= 0.25 else 'OUTSIDE'} +-25 %)")
+    return worst
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="", help="a local config.json instead of the built-in Qwen table")
@@ -228,7 +399,19 @@ def main(argv=None):
                     help="seed.py --gradient_checkpointing")
     ap.add_argument("--runtime_gb", type=float, default=1.5, help="CUDA context, NCCL and allocator slack")
     ap.add_argument("--validate", default="", help="a run folder of bench/update_cost.py: predicted vs measured")
+    ap.add_argument("--accumulation", action="store_true",
+                    help="FSDP2 on 2 gloo ranks: the update's peak with sync at every micro-batch vs only the last")
+    ap.add_argument("--micro_batches", type=int, default=4,
+                    help="micro-batches per optimizer step on a rank (seed.py: mini_batch_size / ranks / micro_batch_size)")
+    ap.add_argument("--accumulation_worker", default="", help=argparse.SUPPRESS)   # one rank, under torchrun
+    ap.add_argument("--sync", default="every", choices=("every", "last"), help=argparse.SUPPRESS)
+    ap.add_argument("--untimed", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.accumulation_worker:
+        return accumulation_worker(args.accumulation_worker, args.sync, args.micro_batches, args.micro_batch,
+                                   args.prompt, args.response, timed=not args.untimed)
+    if args.accumulation:
+        return accumulation(args)
     if args.validate:
         return validate(args.validate)
     table(args)

@@ -3,6 +3,7 @@
     python tests/dist_update.py OUT.json                         one process, all 8 rows
     torchrun --nproc_per_node=2 tests/dist_update.py OUT.json    each rank rows rank::2 (DDP)
     torchrun --nproc_per_node=2 tests/dist_update.py OUT.json --fsdp
+    torchrun --nproc_per_node=2 tests/dist_update.py OUT.json --reference   (the frozen reference's pass only)
 
 The rows are synthetic token ids over the embedded model (prompt/response lengths differ, so the ranks
 hold different token counts); old / reference / skill log-probs and advantages are fixed perturbations
@@ -46,9 +47,36 @@ def fixed_rows(model, n=8):
     return rows
 
 
+def reference_pass(out, rank, world, device):
+    """The frozen reference as seed.load_models wraps it (FSDP2, trainable=False) and its no-grad pass
+    (grpo.batch_logprobs): which parameters are plain (gathered) tensors after a bare forward and after
+    the pass. Writes {"after_forward": [...], "after_pass": [...], "dtensors": n, "params": n} per rank."""
+    from torch.distributed.tensor import DTensor
+    ref, tok, _ = rollout.load_model("smollm2-135m")
+    rows = fixed_rows(ref, n=4)
+    cfg = seed.Config(micro_batch_size=2, fsdp=True, dtype="float32")
+    ref = parallel.wrap(ref.requires_grad_(False).eval(), cfg, device, world, trainable=False)
+    gathered = lambda: [n for n, p in ref.named_parameters() if not isinstance(p, DTensor)]
+    with torch.no_grad():
+        ref(input_ids=torch.tensor([rows.prompts[0]]))            # a bare forward: nothing reshards the root
+    after_forward = gathered()
+    local = rows.take(list(range(rank, len(rows), world)))
+    grpo.batch_logprobs(ref, local, tok.pad_token_id, cfg, device)
+    mine = {"after_forward": after_forward, "after_pass": gathered(),
+            "dtensors": sum(isinstance(p, DTensor) for p in ref.parameters()),
+            "params": sum(1 for _ in ref.parameters())}
+    got = parallel.gather(mine)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(got, f)
+    dist.destroy_process_group()
+
+
 def main():
     out, fsdp = sys.argv[1], "--fsdp" in sys.argv
     rank, world, device = parallel.setup_dist(0)
+    if "--reference" in sys.argv:
+        return reference_pass(out, rank, world, device)
     model, tok, _ = rollout.load_model("smollm2-135m")
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rows = fixed_rows(model)

@@ -19,9 +19,10 @@ TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build(out, seed=0, max_pixels=112 * 112):
+def build(out, seed=0, max_pixels=112 * 112, head_dim=16):
     """Write the tiny model's folder to `out` (once) and return it. `max_pixels` keeps images to a few
-    visual tokens (a 112x112 image -> 8x8 patches of 14 px -> 16 tokens after the 2x2 merge)."""
+    visual tokens (a 112x112 image -> 8x8 patches of 14 px -> 16 tokens after the 2x2 merge). head_dim:
+    16 on the CPU; 64 for vLLM's GPU backends (FlashAttention and Triton need a head size of 32 or more)."""
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -29,12 +30,14 @@ def build(out, seed=0, max_pixels=112 * 112):
     tok = AutoTokenizer.from_pretrained(rollout.resolve_model(rollout.EMBEDDED))
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    H = 4 * head_dim                                                   # 4 heads (2 key/value heads)
+    m = head_dim // 8                                                  # mrope sections sum to head_dim / 2
+    text = dict(vocab_size=len(tok), hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [m, m + m // 2, m + m // 2]},
                 tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+    vision = dict(depth=1, hidden_size=2 * head_dim, intermediate_size=4 * head_dim, num_heads=2, out_hidden_size=H,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                   fullatt_block_indexes=[0], in_channels=3)
     cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
