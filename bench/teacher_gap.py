@@ -127,7 +127,7 @@ def measure(engine, model, tok, cfg, progress=False):
             res[f"gap_{name}"], res[f"se_{name}"] = paired_gap(b, a)
     res["signal"] = bool(res["gap_own"] - 2 * res["se_own"] > 0 and shifts.get("own", {}).get("gate_std_action", 0) >= cfg.min_gate_std)
     res["verdict"] = verdict(res, cfg)
-    res["sec"] = sec | {"total": sum(sec.values())}
+    res["sec"] = {k.split("/")[-1]: v for k, v in sec.items()} | {"total": sum(sec.values())}
     return res, student
 
 
