@@ -55,11 +55,16 @@ class GapConfig(seed.Config):
 
 # ----------------------------------------------------------------------------- the measurement
 
-def replay(engine, tok, play_envs, student, skills, cfg, progress):
-    """Each episode of (a) played again, its task with its own entry of `skills` in the actor prompt (None:
-    the plain prompt). -> [Episode], in (a)'s order."""
-    return rollout.collect(engine, tok, play_envs, [ep.task_id for ep in student], 1, temperature=cfg.temperature,
-                           max_tokens=cfg.max_tokens, skills=skills, progress=progress)
+def replay(engine, tok, cfg, student, teachers, progress):
+    """Each episode of (a) played again once per teacher, its task with that teacher's skill for the episode in
+    the actor prompt (None: the plain prompt); all in one collect (one batch per turn). teachers: {name: [skill
+    per episode of (a)]} -> {name: [Episode], in (a)'s order}."""
+    names = list(teachers)
+    play_envs = [envs.from_config(cfg, cfg.split) for _ in range(len(student) * len(names))]
+    eps = rollout.collect(engine, tok, play_envs, [ep.task_id for ep in student] * len(names), 1,
+                          temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                          skills=[k for n in names for k in teachers[n]], progress=progress)
+    return {n: eps[i * len(student):(i + 1) * len(student)] for i, n in enumerate(names)}
 
 
 def per_task(episodes, n, group):
@@ -73,20 +78,26 @@ def paired_gap(b, a):
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
 
 
+def scores(model, tok, steps, rows, skills, cfg, device):
+    """Teacher-forced log-probs of the sampled responses of steps[rows] (opd.rescore: no new tokens), each
+    under its prompt with skills[k] inserted (None: the plain prompt). -> {row: 1-D tensor}"""
+    if not rows:
+        return {}
+    with autocast(device, resolved_dtype(cfg)):
+        lp = opd.rescore(model, tok, [steps[i] for i in rows], skills, cfg.env, cfg.micro_batch_size)   # [rows, R]
+    return dict(zip(rows, grpo.trim(lp, [len(steps[i].response_ids) for i in rows])))
+
+
 @torch.no_grad()
-def shift(model, tok, steps, skills, adv, cfg, device):
-    """(d) for one teacher: lp and lp_skill of every step row whose episode has a skill (opd.rescore, no new
-    tokens); a row whose prompt the skill does not change has lp_skill = lp (the same context). ->
-    opd.shift_metrics | {"rows"}."""
+def shift(model, tok, steps, skills, adv, plain, cfg, device):
+    """(d) for one teacher, over the step rows whose episode has a skill: lp (`plain`, {row: lp}) against
+    lp_skill; a row whose prompt the skill does not change has lp_skill = lp (the same context).
+    -> opd.shift_metrics | {"rows"}."""
     todo = [i for i, k in enumerate(skills) if k]
     changed = [i for i in todo if envs.insert_skill(steps[i].prompt_text, skills[i], cfg.env) != steps[i].prompt_text]
-    score = lambda rows, ks: grpo.trim(opd.rescore(model, tok, [steps[i] for i in rows], ks, cfg.env,
-                                                   cfg.micro_batch_size), [len(steps[i].response_ids) for i in rows])
-    with autocast(device, resolved_dtype(cfg)):
-        lp = dict(zip(todo, score(todo, [None] * len(todo)))) if todo else {}
-        lps = dict(lp) | (dict(zip(changed, score(changed, [skills[i] for i in changed]))) if changed else {})
+    lps = plain | scores(model, tok, steps, changed, [skills[i] for i in changed], cfg, device)
     masks = [envs.response_masks(tok, steps[i].response_ids, cfg.env) for i in todo]
-    samples = opd.shift_samples([lp[i] for i in todo], [lps[i] for i in todo], [m[0] for m in masks],
+    samples = opd.shift_samples([plain[i] for i in todo], [lps[i] for i in todo], [m[0] for m in masks],
                                 [m[1] for m in masks], [float(adv[i]) for i in todo], cfg.beta_opd)
     return opd.shift_metrics(samples, cfg.beta_opd) | {"rows": len(todo)}
 
@@ -106,25 +117,24 @@ def measure(engine, model, tok, cfg, progress=False):
     own = [ep.skill for ep in student]
     has_expert = all(ep.info.get("expert_plan") for ep in student)
     oracle = [analyzer.scripted_analysis(ep, cfg.max_steps)["episode_skill"] for ep in student] if has_expert else None
-    with timed(sec, "own"):
-        taught = replay(engine, tok, play_envs, student, own, cfg, progress)
-    with timed(sec, "oracle"):
-        coached = replay(engine, tok, play_envs, student, oracle, cfg, progress) if oracle else None
+    with timed(sec, "replay"):
+        again = replay(engine, tok, cfg, student, {"own": own} | ({"oracle": oracle} if oracle else {}), progress)
     with timed(sec, "shift"):
         steps = [s for ep in student for s in ep.steps]
         rows, ep_of = grpo.make_rows(student, steps, play_envs[0].invalid_penalty, cfg)
         tied, groups = grpo.tied_groups(rows.adv, [student[e].group_id for e in ep_of])
-        shifts = {name: shift(model, tok, steps, [ks[e] for e in ep_of], rows.adv, cfg, device)
-                  for name, ks in (("own", own), ("oracle", oracle)) if ks}
+        teachers = {name: [ks[e] for e in ep_of] for name, ks in (("own", own), ("oracle", oracle)) if ks}
+        need = [i for i in range(len(steps)) if any(ks[i] for ks in teachers.values())]
+        plain = scores(model, tok, steps, need, [None] * len(need), cfg, device)      # lp, once for both teachers
+        shifts = {name: shift(model, tok, steps, ks, rows.adv, plain, cfg, device) for name, ks in teachers.items()}
     a = per_task(student, n, G)
     res = {"config": asdict(cfg), "tasks": n, "samples": G, "student": float(a.mean()), "per_task": {"student": a.tolist()},
            "skill_rate": {"own": 1 - stats["parse_failures"] / max(stats["episodes"], 1)} | ({"oracle": 1.0} if oracle else {}),
            "tied_groups": tied / groups, "shift": shifts}
-    for name, eps in (("own", taught), ("oracle", coached)):
-        if eps:
-            b = per_task(eps, n, G)
-            res[name], res["per_task"][name] = float(b.mean()), b.tolist()
-            res[f"gap_{name}"], res[f"se_{name}"] = paired_gap(b, a)
+    for name, eps in again.items():
+        b = per_task(eps, n, G)
+        res[name], res["per_task"][name] = float(b.mean()), b.tolist()
+        res[f"gap_{name}"], res[f"se_{name}"] = paired_gap(b, a)
     res["signal"] = bool(res["gap_own"] - 2 * res["se_own"] > 0 and shifts.get("own", {}).get("gate_std_action", 0) >= cfg.min_gate_std)
     res["verdict"] = verdict(res, cfg)
     res["sec"] = {k.split("/")[-1]: v for k, v in sec.items()} | {"total": sum(sec.values())}
