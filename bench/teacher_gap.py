@@ -10,7 +10,8 @@ From one checkpoint, on the first --tasks tasks of --split, --group_size samples
                   which separates "cannot read a skill" from "writes useless skills"
     (d) shift     teacher-forced on (a)'s own sampled responses: delta = lp_skill - lp on action and thought
                   tokens (envs.response_masks), the gate's std on action tokens (beta_opd), the share of action
-                  tokens with |delta| > 0.5, and cov(row's mean action-token gate, its GRPO advantage)
+                  tokens with |delta| > 0.5, and cov(row's mean action-token gate, its GRPO advantage);
+                  on a seeded sample of --shift_rows step rows (a CPU forward per row and context is slow)
 
 Gaps are paired over tasks: d_t = success_b(t) - success_a(t), gap = mean d_t, SE = std(d_t) / sqrt(tasks).
 Verdict: "OPD has a signal" when the own-skill gap - 2 SE > 0 AND the gate's std on action tokens is at
@@ -51,6 +52,7 @@ class GapConfig(seed.Config):
     split: str = ""                    # task split ("" = the env's first held-out split, envs.EVAL_SPLITS)
     group_size: int = 4                # samples per task (>= 2: the GRPO advantage of the covariance needs a group)
     min_gate_std: float = 0.1          # the verdict's threshold on the gate's std over action tokens
+    shift_rows: int = 256              # (d) on a seeded sample of this many step rows (0 = all; each costs 3 forwards)
 
 
 # ----------------------------------------------------------------------------- the measurement
@@ -125,6 +127,10 @@ def measure(engine, model, tok, cfg, progress=False):
         tied, groups = grpo.tied_groups(rows.adv, [student[e].group_id for e in ep_of])
         teachers = {name: [ks[e] for e in ep_of] for name, ks in (("own", own), ("oracle", oracle)) if ks}
         need = [i for i in range(len(steps)) if any(ks[i] for ks in teachers.values())]
+        if cfg.shift_rows and len(need) > cfg.shift_rows:   # a seeded sample; the other rows count for no teacher
+            need = sorted(np.random.default_rng([cfg.seed, 4]).choice(need, cfg.shift_rows, replace=False).tolist())
+            keep = set(need)
+            teachers = {name: [k if i in keep else None for i, k in enumerate(ks)] for name, ks in teachers.items()}
         plain = scores(model, tok, steps, need, [None] * len(need), cfg, device)      # lp, once for both teachers
         shifts = {name: shift(model, tok, steps, ks, rows.adv, plain, cfg, device) for name, ks in teachers.items()}
     a = per_task(student, n, G)

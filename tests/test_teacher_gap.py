@@ -109,6 +109,8 @@ def test_a_skill_that_changes_nothing_has_no_signal(tokenizer, tiny_model, monke
                   "gate_std_action", "action_shift_share", "gate_adv_cov"):
             assert s[k] == 0.0, (name, k, s[k])
     assert not res["signal"] and "OPD has no signal" in res["verdict"]
+    few, _ = teacher_gap.measure(SkillReader(tokenizer, seed=1), tiny_model, tokenizer, config("--shift_rows", "3"))
+    assert few["shift"]["own"]["rows"] == few["shift"]["oracle"]["rows"] == 3      # (d) on a sample of the rows
     assert not math.isnan(res["gap_own"])
 
 
