@@ -308,7 +308,14 @@ def diagnostics(logp, old_logp, adv, mask, rewards=None, group_ids=None,
         "ratio_max": float(ratio[m].max()) if m.any() else 1.0,
     }
     if rewards is not None and group_ids is not None:
-        r, g = torch.as_tensor(rewards, dtype=torch.float64), torch.as_tensor(group_ids)
-        groups = torch.unique(g)
-        out["zero_std_groups"] = sum(bool((r[g == k] == r[g == k][0]).all()) for k in groups) / len(groups)
+        tied, n = tied_groups(rewards, group_ids)
+        out["zero_std_groups"] = tied / n
     return out
+
+
+def tied_groups(values, group_ids):
+    """-> (groups whose values all tie, groups). On rewards: the groups where GRPO's gradient is zero; on
+    group_advantages' output the same groups (a tied group's advantages are all 0, another's never are)."""
+    r, g = torch.as_tensor(values, dtype=torch.float64), torch.as_tensor(group_ids)
+    groups = torch.unique(g)
+    return sum(bool((r[g == k] == r[g == k][0]).all()) for k in groups), len(groups)

@@ -4,7 +4,7 @@ errors, and everything a run writes and reads back in `runs/<name>/`:
     config.json                    the flags (+ world_size)
     metrics.jsonl                  one line per update (write_metrics, read_metrics)
     episodes/update_XXXX.jsonl     every episode of an update, with its summary and skill (episode_record)
-    curves.png                     success, length, invalid rate, OPD loss, gate, KL (plot_curves)
+    curves.png                     success, length, invalid rate, OPD loss, gate, KL, teacher diagnostics (plot_curves)
     checkpoint/                    HF weights + tokenizer + trainer_state.pt (save_checkpoint; --resume: resume)
 """
 import argparse
@@ -36,7 +36,9 @@ def parse_config(argv, cls, env_defaults=None, doc=""):
     of `env_defaults` ({env: {field: value}}) > the dataclass default. argv None = the command line."""
     import inspect
     import re
-    comments = dict(re.findall(r"^\s+(\w+): .*?# (.*)$", inspect.getsource(cls), flags=re.M))
+    comments = {}   # a subclass's fields after its bases' (bench/teacher_gap.py extends seed.Config)
+    for c in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        comments |= dict(re.findall(r"^\s+(\w+): .*?# (.*)$", inspect.getsource(c), flags=re.M))
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     for f in dataclasses.fields(cls):
         help = f"{comments.get(f.name, '')} (default: {f.default})"
@@ -131,7 +133,8 @@ def read_metrics(run_dir):
 
 def plot_curves(run_dir, lines):
     """curves.png: success (train and eval), episode length, invalid-action rate (train and eval), OPD loss,
-    gate mean +- std, KL to the reference."""
+    gate mean +- std, KL to the reference, the teacher's shift on action tokens (delta percentiles, gate std)
+    and the share of tied groups with the gate-advantage covariance (seed.teacher_diagnostics)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -140,7 +143,7 @@ def plot_curves(run_dir, lines):
         return
     u = [m["update"] for m in lines]
     col = lambda k: [float("nan") if m.get(k) is None else m[k] for m in lines]
-    fig, ax = plt.subplots(2, 3, figsize=(14, 7))
+    fig, ax = plt.subplots(2, 4, figsize=(18, 7))
     ax[0, 0].plot(u, col("success"), "o-", label="train rollouts")
     for k in sorted({k for m in lines for k in m if k.startswith("eval") and k.endswith("/success")}):
         pts = [(m["update"], m[k]) for m in lines if m.get(k) is not None]
@@ -164,6 +167,15 @@ def plot_curves(run_dir, lines):
     ax[1, 1].legend(fontsize=8)
     ax[1, 2].plot(u, col("loss/kl"), "o-")
     ax[1, 2].set(title="KL to the reference (k3, token mean)", xlabel="update")
+    for k, style in (("diag/delta_action_p5", "v:"), ("diag/delta_action_p50", "o-"), ("diag/delta_action_p95", "^:")):
+        ax[0, 3].plot(u, col(k), style, label=k.split("_")[-1])
+    ax[0, 3].plot(u, col("diag/gate_std_action"), "s--", label="gate std")
+    ax[0, 3].set(title="teacher shift on action tokens (lp_skill - lp)", xlabel="update")
+    ax[0, 3].legend(fontsize=8)
+    ax[1, 3].plot(u, col("diag/tied_groups"), "o-", label="tied groups (share)")
+    ax[1, 3].plot(u, col("diag/gate_adv_cov"), "s--", label="cov(row gate, advantage)")
+    ax[1, 3].set(title="GRPO's zero-gradient groups; does the teacher favour winners?", xlabel="update")
+    ax[1, 3].legend(fontsize=8)
     for a in ax.flat:
         a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))

@@ -205,6 +205,8 @@ def rl_update(u, run):
         if cfg.algo in RESCORE:
             rows.has_skill = torch.tensor([1.0 if k else 0.0 for k in teachers])
             rows.skill = opd.rescore_rows(run.fwd, run.tok, steps, teachers, cfg, run.device)
+    with timed(sec, "diagnostics"):   # can the teacher teach? (tie share; the skill's shift on action tokens)
+        diag = teacher_diagnostics(run, rows, steps, teachers, [episodes[e].group_id for e in ep_of])
     with timed(sec, "update"):    # 6. mini-batch updates of the joint objective, one pass, rows shuffled
         order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
         sums, norms = update_policy(model, run.opt, rows, cfg, pad_id, world, run.device, order, main_rank,
@@ -212,7 +214,7 @@ def rl_update(u, run):
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
         rollout.push(run.engine, model, run.opt)
     return (rollout.episode_metrics(episodes, stats) | step_skill_metrics(episodes, teachers, cfg)
-            | loss_metrics(sums, norms, cfg.algo) | sec, records)
+            | loss_metrics(sums, norms, cfg.algo) | diag | sec, records)
 
 
 def step_skill_metrics(episodes, teachers, cfg):
@@ -225,6 +227,29 @@ def step_skill_metrics(episodes, teachers, cfg):
                                                len(teachers), sum(bool(k and k[1]) for k in teachers)])
     return {"step_skill_rate": with_steps / n if n else float("nan"),
             "step_skill_row_frac": step_rows / max(rows, 1)}
+
+
+def teacher_diagnostics(run, rows, steps, skills, groups):
+    """Per update, over all ranks: diag/tied_groups (share of groups whose rewards all tie: GRPO's gradient is
+    zero there) and, where the teacher is scored (RESCORE algos), opd.shift_metrics of lp_skill against the
+    snapshot's lp on the skill rows (lp: log pi_old when the update computed it, else one no-grad pass over
+    those rows), under "diag/": delta percentiles on action and thought tokens, the gate's std on action
+    tokens, the share of action tokens with |delta| > 0.5, and the gate-advantage covariance."""
+    cfg = run.cfg
+    tied, n = all_sum(list(grpo.tied_groups(rows.adv, groups)))
+    out = {"diag/tied_groups": tied / n if n else float("nan")}
+    if cfg.algo not in RESCORE:
+        return out
+    todo = [i for i, k in enumerate(skills) if k]
+    if rows.old is not None:
+        lp = [rows.old[i] for i in todo]
+    else:   # every rank makes the same passes (FSDP): a rank without skill rows scores one row and drops it
+        lp = grpo.batch_logprobs(run.fwd, rows.take(todo or [0]), run.tok.pad_token_id, cfg, run.device)[:len(todo)]
+    masks = [envs.response_masks(run.tok, steps[i].response_ids, cfg.env) for i in todo]
+    local = opd.shift_samples(lp, [rows.skill[i] for i in todo], [m[0] for m in masks], [m[1] for m in masks],
+                              [float(rows.adv[i]) for i in todo], cfg.beta_opd)
+    merged = {k: [x for part in gather(local) for x in part[k]] for k in local}
+    return out | {f"diag/{k}": v for k, v in opd.shift_metrics(merged, cfg.beta_opd).items()}
 
 
 def analyze(engine, tok, episodes, cfg, progress, chunk=32):

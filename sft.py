@@ -82,6 +82,7 @@ class SFTConfig:
     fsdp: bool = False                 # FSDP2 instead of DDP under torchrun
     gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
     replay: int = 0                    # CPU testbed: expert tasks whose warm-start pairs join Stage 1's training
+    skill_fraction: float = 0.0        # CPU testbed, --stage warmup: share of the tasks also taught with a skill (not the method)
 
 
 ENV_DEFAULTS = {env: {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(SFTConfig)}}
@@ -104,6 +105,8 @@ def validate(cfg):
         runfolder.fail(f"--skill_mode must be {'|'.join(analyzer.SKILL_MODES)} and --max_step_skills 0 or more")
     if cfg.env == "webshop" and not cfg.analyzer_url:
         runfolder.fail("WebShop has no expert plan for the scripted annotator; pass --analyzer_url/--analyzer_model")
+    if not 0 <= cfg.skill_fraction <= 1 or (cfg.skill_fraction and cfg.stage != "warmup"):
+        runfolder.fail(f"--skill_fraction must be in [0, 1] and is for --stage warmup, got {cfg.skill_fraction}")
     if not (0 <= cfg.val_fraction < 1 and 0 <= cfg.warmup_ratio < 1):
         runfolder.fail(f"--val_fraction and --warmup_ratio must be in [0, 1), got {cfg.val_fraction}, {cfg.warmup_ratio}")
 
@@ -344,38 +347,58 @@ EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env
 }
 
 
-def expert_response(env):
+SKILL_THOUGHT = "Following the skill: "   # opens the thought of a warm-start target whose prompt has a skill
+
+
+def expert_response(env, skill=False):
     """The expert's next action (env.expert_action) as a response in the env's format, after a short thought
     (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so that the action is the solution's
-    next token): EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
-    <think>...</think><action>...</action>. None when the expert has no move here."""
+    next token; with `skill`, the thought opens with SKILL_THOUGHT): EZPoints a JSON object {"thoughts",
+    "action"} (the authors' gym_cards format), the others <think>...</think><action>...</action>. None when the
+    expert has no move here."""
     action = env.expert_action()
     if action is None:
         return None
+    opening = SKILL_THOUGHT if skill else ""
     if env.name == "ezpoints":
-        thought = EXPERT_THOUGHTS["ezpoints"].format(solution=" ".join(env.expert_formula()), action=action,
-                                                     formula=" ".join(env.formula) or "empty")
+        thought = opening + EXPERT_THOUGHTS["ezpoints"].format(solution=" ".join(env.expert_formula()), action=action,
+                                                               formula=" ".join(env.formula) or "empty")
         return json.dumps({"thoughts": thought, "action": action})
-    thought = EXPERT_THOUGHTS[env.name].format(action=action)
+    thought = opening + EXPERT_THOUGHTS[env.name].format(action=action)
     return f"<think>{thought}</think><action>{action}</action>"
 
 
-def expert_examples(cfg, tok, tasks, split="train"):
+def scripted_skill(env, info, won):
+    """The scripted annotator's skill for the task `env` was just reset on (its expert plan in `info`), written
+    as for a won episode (a workflow) or a failed one (an avoidance rule that ends with the key steps)."""
+    ep = Episode(task_id=0, group_id=0, env=env.name, task=env.task, family=env.family, info=dict(info), won=won)
+    return analyzer.scripted_analysis(ep, env.max_steps)["episode_skill"]
+
+
+def expert_examples(cfg, tok, tasks, split="train", skills=None):
     """The env's expert plays each task; every step gives one pair (the actor prompt's chat ids, exactly as
     rollout.collect builds them -> the expert's move in the env's response format (expert_response)
     + end of turn). The target is what the env receives, so each step is valid by construction (a test
-    replays them). -> one list of pairs per task ([] where the expert did not win within max_steps)."""
+    replays them). `skills` (--skill_fraction; the CPU testbed, not the method): one bool per task; True puts
+    the task's scripted skill (scripted_skill, workflow or avoidance form by a seeded coin) in the actor prompt
+    and opens the thought with SKILL_THOUGHT. -> one list of pairs per task ([] where the expert did not win)."""
     env, out = envs.from_config(cfg, split), []
-    for t in tasks:
-        env.reset(seed=int(t))
+    coin = np.random.default_rng([cfg.seed, 3])
+    for k, t in enumerate(tasks):
+        _, info = env.reset(seed=int(t))
+        skill = scripted_skill(env, info, bool(coin.integers(2))) if skills and skills[k] else None
         pairs, won, done = [], False, False
-        while not done and (target := expert_response(env)) is not None:
-            _, ids, _ = rollout._prompt(env, tok, None, cfg.max_prompt_tokens)
+        while not done and (target := expert_response(env, bool(skill))) is not None:
+            _, ids, _ = rollout._prompt(env, tok, skill, cfg.max_prompt_tokens)
             pairs.append((ids, tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
             _, _, terminated, truncated, info = env.step(target)
             won, done = bool(info.get("won")), terminated or truncated
         out.append(pairs if won else [])
     return out
+
+
+def ids_have_skill(tok, ids):
+    return envs.SKILL_HEADER in tok.decode(ids)
 
 
 def warmup(cfg, rank, world, device):
@@ -387,6 +410,11 @@ def warmup(cfg, rank, world, device):
     tok = _tokenizer(cfg.model)
     tasks = draw_tasks(envs.from_config(cfg, "train"), cfg.tasks, np.random.default_rng(cfg.seed))
     per_task = expert_examples(cfg, tok, tasks)
+    if cfg.skill_fraction:   # a seeded share of the tasks is also taught with its skill in the prompt (same split)
+        chosen = np.random.default_rng([cfg.seed, 2]).permutation(len(tasks))[:round(cfg.skill_fraction * len(tasks))]
+        marks = [i in set(chosen.tolist()) for i in range(len(tasks))]
+        with_skill = expert_examples(cfg, tok, tasks, skills=marks)
+        per_task = [p + q if p and m else p for p, q, m in zip(per_task, with_skill, marks)]
     train, val = split_pairs(per_task, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))   # by task
     train, val = [x for t in train for x in t], [x for t in val for x in t]
     if not train:
@@ -400,6 +428,7 @@ def warmup(cfg, rank, world, device):
             f.writelines(json.dumps(r) + "\n" for r in log)
         summary = {"config": dataclasses.asdict(cfg), "world_size": world, "tasks": len(tasks),
                    "expert_won": sum(bool(t) for t in per_task), "train_steps": len(train), "val_steps": len(val),
+                   "skill_steps": sum(ids_have_skill(tok, x[0]) for x in train + val),
                    "train_loss": [log[0]["loss"], log[-1]["loss"]], "val_loss": val_log, "sec/total": time.time() - t0}
         with open(os.path.join(cfg.out, "warmup.json"), "w") as f:
             json.dump(summary, f, indent=2)

@@ -21,6 +21,7 @@ Validity and what is executed follow each env's projection in the authors' code
 raises on bad text. Rewards: `reward_scale * won` on the step that ends the episode with a win (search
 QA: exact match), 0 otherwise; the invalid-action penalty is applied by the trainer (grpo.row_rewards).
 """
+import itertools
 import re
 
 NAMES = ("alfworld", "sokoban", "ezpoints", "search", "webshop")
@@ -155,3 +156,42 @@ def has_think(response):
 
 def has_cjk(response):
     return bool(CJK.search(as_text(response)))
+
+
+# ----------------------------------------------------------------------------- action and thought tokens
+
+RESPONSE_SPANS = {   # per response format: the action value and the thought value (regex group 1 each)
+    "json": (r'"action"\s*:\s*"?([^"}]*)', r'"thoughts"\s*:\s*"((?:[^"\\]|\\.)*)'),   # EZPoints (gym_cards)
+    "tags": (r"<action>(.*?)</action>", r"<think>(.*?)</think>"),                       # the other envs
+}
+
+
+def token_spans(tokenizer, ids):
+    """Character span [start, end) of each token of `ids` in tokenizer.decode(ids, skip_special_tokens=True)
+    (what the env received). Tokens decoded one by one when their pieces add up to the text; else (a
+    character split over tokens) from the lengths of decoded prefixes. Special tokens get an empty span."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    pieces = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=True)
+    if "".join(pieces) != text:
+        pieces, prev = [], 0
+        for k in range(len(ids)):
+            n = len(tokenizer.decode(ids[:k + 1], skip_special_tokens=True))
+            pieces.append(text[prev:max(n, prev)])
+            prev = max(n, prev)
+    ends = list(itertools.accumulate(len(p) for p in pieces))
+    return text, [(e - len(p), e) for p, e in zip(pieces, ends)]
+
+
+def response_masks(tokenizer, response_ids, env_name):
+    """Which tokens of a sampled response carry the action and which the thought, by the env's response format
+    (EZPoints: the JSON values of "action" and "thoughts"; the others: inside <action>..</action> and
+    <think>..</think>, first occurrence, case-insensitive as the projections read them). A token is in a part
+    when its characters overlap the part's value. -> (action [bool], thought [bool]), one per token; all False
+    for a part the response does not have (an invalid response has no action tokens)."""
+    text, spans = token_spans(tokenizer, list(response_ids))
+    out = []
+    for pattern in RESPONSE_SPANS["json" if env_name == "ezpoints" else "tags"]:
+        m = re.search(pattern, text, flags=re.I | re.S)
+        lo, hi = m.span(1) if m else (0, 0)
+        out.append([s < hi and e > lo and e > s for s, e in spans])
+    return out[0], out[1]

@@ -255,7 +255,7 @@ def test_seed_run_writes_everything_and_distills(seed_run):
     ms = lines(out)
     for m in ms:
         for k in ("success", "length", "reward", "loss/pg", "loss/kl", "loss/entropy", "loss/opd", "gate/mean",
-                  "gate/std", "clip_frac", "parse_failure_rate", "first_try_failure_rate", "sec/collect", "sec/analyze", "sec/update"):
+                  "gate/std", "diag/tied_groups", "diag/gate_std_action", "clip_frac", "parse_failure_rate", "first_try_failure_rate", "sec/collect", "sec/analyze", "sec/update"):
             assert k in m, k
         assert m["episodes"] == 2 and m["rows"] >= 2
         assert m["first_try_failure_rate"] >= m["parse_failure_rate"]   # retries only ever rescue
@@ -287,6 +287,7 @@ def test_grpo_has_no_opd_term(grpo_run):
         assert all(f"{p}/test/{k}" in m for p in ("eval", "eval_greedy") for k in ("success", "invalid_rate", "length"))
         assert 0 <= m["eval/test/invalid_rate"] <= 1
     assert all("loss/opd" not in m and "gate/mean" not in m and m["skill_rate"] == 0 for m in ms)
+    assert all(0 <= m["diag/tied_groups"] <= 1 and "diag/gate_std_action" not in m for m in ms)   # no teacher
     assert all(m["loss/kl"] >= 0 and m["tokens"] > 0 for m in ms)
 
 
@@ -507,3 +508,54 @@ def test_nan_gradient_skips_the_step_and_is_counted(smol):
     sums, norms = step(10)
     assert sums["skipped_steps"] == 0 and len(norms) == 1 and math.isfinite(norms[0]) and streak == [0]
     assert not torch.equal(model.model.norm.weight, before["model.norm.weight"])
+
+
+# ----------------------------------------------------------------------------- the per-update teacher diagnostics
+
+class _RandomEZPoints:
+    """An engine that answers every actor prompt with a random EZPoints token in the env's JSON format (so every
+    response has action tokens); no weights to push."""
+    def __init__(self, tok, max_model_len=2048):
+        import random
+        self.tok, self.rng, self.max_model_len = tok, random.Random(0), max_model_len
+
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        from envs.ezpoints import TOKENS
+        out = []
+        for _ in range(len(prompt_ids_list) * n):
+            ids = self.tok.encode(json.dumps({"thoughts": "a token", "action": self.rng.choice(TOKENS)}),
+                                  add_special_tokens=False) + [self.tok.eos_token_id]
+            out.append((ids, [-1.0] * len(ids)))
+        return out
+
+    def push_weights(self, model):
+        pass
+
+    def sleep(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_teacher_diagnostics_in_metrics(tmp_path, monkeypatch):
+    """A seed.py run writes the tie share, the teacher's shift on action tokens and the gate-advantage covariance
+    into metrics.jsonl (static_skills: a library skill is the teacher), and every episode record keeps its skill."""
+    lib = analyzer.SkillLibrary()
+    lib.add("ezpoints", "ezpoints", "write a formula that equals 12", "Add the two card values, then write '='.")
+    lib.save(str(tmp_path / "skills.jsonl"))
+    tok = rollout.load_model(rollout.EMBEDDED)[1]
+    monkeypatch.setattr(rollout, "make_engine", lambda *a, **kw: _RandomEZPoints(tok))
+    out = str(tmp_path / "run")
+    seed.main(["--env", "ezpoints", "--init", "", "--algo", "static_skills", "--skill_library", str(tmp_path / "skills.jsonl"),
+               "--out", out, "--updates", "1", "--tasks_per_update", "2", "--group_size", "2", "--max_steps", "2",
+               "--max_tokens", "32", "--micro_batch_size", "4", "--eval_every", "0", "--kl_coef", "0", "--save_every", "5"])
+    m = lines(out)[0]
+    assert 0 <= m["diag/tied_groups"] <= 1 and m["diag/action_tokens"] > 0
+    assert m["diag/delta_action_p5"] <= m["diag/delta_action_p50"] <= m["diag/delta_action_p95"]
+    assert m["diag/gate_std_action"] > 0 and 0 <= m["diag/action_shift_share"] <= 1
+    assert m["diag/gate_adv_cov"] is None or math.isfinite(m["diag/gate_adv_cov"])
+    assert all(k in m for k in ("diag/delta_thought_p50", "diag/delta_action_mean", "sec/diagnostics"))
+    eps = [json.loads(x) for x in open(os.path.join(out, "episodes", "update_0000.jsonl"))]
+    assert eps and all(e["skill"] == "Add the two card values, then write '='." for e in eps)
+    shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)

@@ -45,6 +45,27 @@ def test_warmup_targets_replay_valid_and_win(env_name, split, tasks, tokenizer):
         assert info["won"] and terminated and reward == env.reward_scale
 
 
+def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
+    """--skill_fraction (CPU testbed, not the method): a skill example's prompt is the rollout prompt with the
+    task's scripted skill inserted, its thought opens with SKILL_THOUGHT, and its move is still the expert's."""
+    cfg = sft_config(["--env", "ezpoints", "--max_steps", "5", "--history_length", "0"])
+    tasks = list(range(6))
+    plain = sft.expert_examples(cfg, tokenizer, tasks)
+    skilled = sft.expert_examples(cfg, tokenizer, tasks, skills=[True] * 6)
+    env, forms = envs.from_config(cfg, "train"), set()
+    for task, p, q in zip(tasks, plain, skilled):
+        _, info = env.reset(seed=task)
+        assert len(p) == len(q) > 0
+        for (pp, pc), (sp, sc) in zip(p, q):
+            text, plain_text = tokenizer.decode(sp), tokenizer.decode(pp)
+            assert envs.SKILL_HEADER in text and envs.SKILL_HEADER not in plain_text
+            assert " -> ".join(info["expert_plan"]) in text                       # the skill names the route
+            a, b = json.loads(tokenizer.decode(sc, skip_special_tokens=True)), json.loads(tokenizer.decode(pc, skip_special_tokens=True))
+            assert a["action"] == b["action"] and a["thoughts"] == sft.SKILL_THOUGHT + b["thoughts"]
+        forms.add("workflow" in tokenizer.decode(q[0][0]))
+    assert forms == {True, False}                                                 # both skill forms occur
+
+
 def test_warmup_stage_end_to_end(tmp_path):
     """4 Sokoban rooms (one held out), 1 epoch: the held-out loss is written per epoch, the checkpoint loads,
     and seed.py --init / sft.py --model accept it."""
