@@ -1,4 +1,4 @@
-"""The GPU self-check (`./run.sh gpu-check`): proves the colocated GPU path of DESIGN section 5 on this
+"""The GPU self-check (`./run.sh gpu-check`): proves the colocated GPU path of docs/gpu.md on this
 machine in minutes, one line per check and a verdict. Needs CUDA; tests/test_gpu.py runs the same checks
 under pytest.
 
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 import torch  # noqa: E402
 
-BF16_FLOOR = 0.5   # max |engine - trainer| log-prob in bf16 (DESIGN section 5: measured floor 0.1-0.3)
+BF16_FLOOR = 0.5   # max |engine - trainer| log-prob in bf16 (docs/gpu.md: measured floor 0.1-0.3)
 
 
 def check_memory(model_name="smollm2-135m", micro_batch=4, prompt=1024, response=256):

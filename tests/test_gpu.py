@@ -1,4 +1,4 @@
-"""The GPU path (DESIGN section 5) on a machine with CUDA: tests/gpu_check.py (what `./run.sh gpu-check`
+"""The GPU path (docs/gpu.md) on a machine with CUDA: tests/gpu_check.py (what `./run.sh gpu-check`
 runs) in a child process, one test per check line, so its engine and process group never meet the test
 session's. Every test here needs CUDA and skips without it; on CPU the same paths are covered by
 test_rollout.py (weight sync, FSDP2 streamed push) and test_seed.py (DDP / FSDP2 equal one process)."""
