@@ -320,7 +320,7 @@ def finetune(cfg, examples, val, rank, world, device):
 EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env with an expert
     "alfworld": "To complete the task, my next step is to {action}.",
     "sokoban": "On the shortest way to push the box onto the target, my next move is {action}.",
-    # the solution, then the formula so far, whose next token in the solution is the action (README, "The demo")
+    # the solution, then the formula so far, whose next token in the solution is the action (README, quick start)
     "ezpoints": "{solution} = 12. The formula so far is {formula}, so the next token is {action}.",
 }
 
@@ -360,7 +360,7 @@ def expert_examples(cfg, tok, tasks, split="train"):
 
 
 def warmup(cfg, rank, world, device):
-    """Behaviour cloning on expert episodes (README, "CPU testbed"): a model too small to write the action
+    """Behaviour cloning on expert episodes (docs/design-notes.md, the CPU testbed): a model too small to write the action
     format learns it before Stage 1. Tasks are split (seeded) into training and held-out ones
     (--val_fraction); the held-out loss is reported after every epoch. Same loss and loop as Stage 1
     (finetune: completion-only token-mean NLL). Writes an HF checkpoint, sft_log.jsonl and warmup.json."""

@@ -1,4 +1,4 @@
-"""The CPU testbed's warm start (`sft.py --stage warmup`, README "CPU testbed"): every behaviour-cloning
+"""The CPU testbed's warm start (`sft.py --stage warmup`, docs/design-notes.md, the CPU testbed): every behaviour-cloning
 target is exactly what the env accepts (decoded as a rollout decodes a sampled response, replayed through
 `env.step`: valid at every step, the episode won, the prompts the ones a rollout would send), and the stage
 runs end to end on a tiny config, reporting its held-out loss and writing a checkpoint seed.py and sft.py take."""
