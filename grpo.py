@@ -1,5 +1,5 @@
 """The RL half of the SEED objective: GRPO with per-step rows and the joint objective (Section 3.3;
-coefficients Appendix B.4), as restated in DESIGN section 2.
+coefficients Appendix B.4), as restated in docs/design-notes.md#formulas.
 
 Every per-token tensor is RESPONSE-ALIGNED: `[rows, R]`, R = the longest response in the batch, column k of
 row i is response token k of row i, and `mask[i, k] = 1` for k < len(response i). A row is one step of an

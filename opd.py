@@ -1,5 +1,5 @@
 """The distillation half of the SEED objective: dual-context re-scoring, the sigmoid gate and the gated
-on-policy distillation loss (Section 3.3, the OPD objective), as restated in DESIGN section 2.
+on-policy distillation loss (Section 3.3, the OPD objective), as restated in docs/design-notes.md#formulas.
 
 For every step of an episode whose analysis produced a skill, the SAME sampled response tokens are scored
 twice by the snapshot pi_old: under the plain context h (the log-probs the trainer already has) and under

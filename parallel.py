@@ -1,4 +1,4 @@
-"""Distributed set-up and collectives for seed.py and sft.py (DESIGN section 5; Appendix B.4 trains on 8 GPUs):
+"""Distributed set-up and collectives for seed.py and sft.py (docs/gpu.md; Appendix B.4 trains on 8 GPUs):
 torchrun -> one process group per run, DDP or FSDP2 (`fully_shard`) wrapping, collectives on python numbers
 and objects, micro-batch gradient accumulation, bf16 autocast on GPU, and micro-batch chunking that keeps every
 rank's forward count equal. Under plain python everything degrades to a world of one.

@@ -2,7 +2,7 @@
 
 The frozen snapshot pi_old plays N episodes of each of B tasks. All live episodes advance together:
 one engine `generate` call per turn for every episode still running. The engine is vLLM in process
-(colocated with the trainer, DESIGN section 5) or a small Hugging Face fallback with the same
+(colocated with the trainer, docs/gpu.md) or a small Hugging Face fallback with the same
 interface. Also here: the records every other file reads (Step, Episode), the model loader, the weight
 push into the engine, and evaluation (held-out episodes and their metrics, the rollout statistics).
 """
@@ -160,7 +160,7 @@ def ensure_process_group():
 
 
 def make_engine(kind, model_path, dtype="float32", seed=0, **kw):
-    """The rollout engine: "vllm" (in process, DESIGN section 5) or "hf" (transformers fallback).
+    """The rollout engine: "vllm" (in process, docs/gpu.md) or "hf" (transformers fallback).
     The sampling seed is `seed + rank`, so ranks sample different episodes."""
     seed = seed + _rank()
     if kind == "vllm":
@@ -301,7 +301,7 @@ class VLLMEngine:
                 "multi_modal_data": {"image": [vision.as_pil(x) for x in ids.images]}}
 
     def push_weights(self, model):
-        """After each optimizer step: the engine's weights become the trainer's (DESIGN section 5),
+        """After each optimizer step: the engine's weights become the trainer's (docs/gpu.md),
         streamed one tensor at a time. Asleep: wake the weights, push, then wake the KV cache, so the
         KV cache is not allocated while a pushed tensor is (free the trainer's gradients before)."""
         if self.asleep:

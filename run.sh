@@ -94,7 +94,7 @@ PY
 }
 
 # The paper's recipe for one benchmark on GPUs: Stage 1 then Stage 2 (150 updates) with the hyperparameters
-# of DESIGN section 3 (seed.py applies the env's column). The analyzer's defaults are the authors': each
+# of docs/design-notes.md#defaults (seed.py applies the env's column). The analyzer's defaults are the authors': each
 # episode read whole (16,384-token budget), one greedy call, up to 1,024 new tokens (they allow 4,096), no
 # retries; Stage 1 at temperature 0.4, 30 tasks per ALFWorld family, 10% validation, cosine lr 5e-6, batch 8.
 # Override with MODEL, NGPU, ANALYZER_URL / ANALYZER_MODEL (key in $SEED_ANALYZER_KEY), DATA_DIR, and extra

@@ -1,4 +1,4 @@
-"""A run's start and its folder (DESIGN section 8), shared by seed.py and sft.py: flags -> config, start-up
+"""A run's start and its folder (README: the run folder), shared by seed.py and sft.py: flags -> config, start-up
 errors, and everything a run writes and reads back in `runs/<name>/`:
 
     config.json                    the flags (+ world_size)

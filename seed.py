@@ -21,7 +21,7 @@ live analyzer), opsd / grpo_opsd (ungated self-distillation, without / with GRPO
 a bounded per-token weight on GRPO), skill_sd (GRPO + ungated distillation from a library-skill teacher).
 `--init ""` is the no-SFT ablation, `--train_fraction` the sample-efficiency study (Table 6). Runs:
 `torchrun --nproc_per_node=8 seed.py ...` (DDP, or FSDP2 with --fsdp) or plain `python seed.py ...`;
-everything lands in `runs/<name>/` (DESIGN section 8).
+everything lands in `runs/<name>/` (README: the run folder).
 
 Reading order: Config, Run (what a run holds), rl_update (the loop above), micro_loss and update_policy (the
 joint objective), evaluation, then the set-up (validate, build_run) and main. The plumbing shared with sft.py
@@ -76,7 +76,7 @@ class Config:
     seed: int = 0                      # seed of everything (rank r samples with seed + r)
     updates: int = 150                 # RL updates (the paper trains 150)
     train_fraction: float = 1.0        # share of the training tasks used, a fixed subset per seed (Table 6)
-    # -- tasks and episodes (DESIGN section 3, one column per env)
+    # -- tasks and episodes (docs/design-notes.md#defaults, one column per env)
     tasks_per_update: int = 16         # B: tasks per update, over all ranks
     group_size: int = 8                # N: episodes per task (a GRPO group)
     max_steps: int = 30                # env steps per episode
@@ -127,8 +127,8 @@ class Config:
     save_every: int = 10               # checkpoint every this many updates (and after the last)
 
 
-# The env columns of DESIGN section 3 (ALFWorld = the dataclass defaults); the skill modes are the authors'
-# launchers' (examples/seed_trainer/_common/*.sh): critical-step skills on ALFWorld, WebShop and Search.
+# The env columns of docs/design-notes.md#defaults (ALFWorld = the dataclass defaults); the skill modes are the
+# authors' launchers' (examples/seed_trainer/_common/*.sh): critical-step skills on ALFWorld, WebShop and Search.
 ENV_DEFAULTS = {
     "alfworld": dict(),
     "webshop": dict(max_steps=15, history_length=2, max_prompt_tokens=4096, adv_norm="mean_norm"),

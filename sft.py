@@ -1,5 +1,5 @@
-"""SEED Stage 1: teach the model to analyze its own episodes (Section 3.2, hindsight-skill SFT; DESIGN
-sections 1 and 3).
+"""SEED Stage 1: teach the model to analyze its own episodes (Section 3.2, hindsight-skill SFT;
+docs/design-notes.md: the method, its defaults).
 
     tasks    <- M tasks, seeded; ALFWorld: M/6 of each task family              # draw_tasks
     episodes <- collect(base model, tasks, K0 episodes each)      # rollout.collect, temperature 0.4
@@ -74,7 +74,7 @@ class SFTConfig:
     epochs: int = 3                    # SFT epochs
     val_fraction: float = 0.1          # share of the (prompt, JSON) pairs held out for the validation loss (seeded)
     lr: float = 5e-6                   # AdamW peak learning rate (Sokoban / EZPoints 2e-6)
-    warmup_ratio: float = 0.1          # linear warm-up over this share of the steps, then cosine decay to 0
+    warmup_ratio: float = 0.1          # linear warm-up over this share of the steps, then cosine to 0 (warm start: constant)
     weight_decay: float = 0.01         # AdamW weight decay (betas (0.9, 0.95), as the authors' SFT trainer)
     grad_clip: float = 1.0             # max global grad norm
     batch_size: int = 8                # examples per optimizer step, over all ranks
@@ -289,7 +289,8 @@ def val_loss(model, val, rank, world, cfg, device, pad_id):
 
 def finetune(cfg, examples, val, rank, world, device):
     """N epochs of token-mean NLL on the completion only (prompt masked); global token count under DDP;
-    AdamW with the authors' betas, cosine lr after a linear warm-up; the validation loss after each epoch.
+    AdamW with the authors' betas; after a linear warm-up the lr decays as a cosine (Stage 1, the authors')
+    or stays constant (--stage warmup); the validation loss after each epoch.
     -> (model, tokenizer, per-step log, per-epoch validation losses)."""
     from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
     model, tok, _ = rollout.load_model(cfg.model)
@@ -342,7 +343,7 @@ def finetune(cfg, examples, val, rank, world, device):
 EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env with an expert
     "alfworld": "To complete the task, my next step is to {action}.",
     "sokoban": "On the shortest way to push the box onto the target, my next move is {action}.",
-    # the solution, then the formula so far, whose next token in the solution is the action (README, "The demo")
+    # the solution, then the formula so far, whose next token in the solution is the action (README, quick start)
     "ezpoints": "{solution} = 12. The formula so far is {formula}, so the next token is {action}.",
 }
 
@@ -398,11 +399,11 @@ def expert_examples(cfg, tok, tasks, split="train", skills=None):
 
 
 def ids_have_skill(tok, ids):
-    return envs.SKILL_HEADER in tok.decode(ids)
+    return envs.EPISODE_SKILL[0] in tok.decode(ids)
 
 
 def warmup(cfg, rank, world, device):
-    """Behaviour cloning on expert episodes (README, "CPU testbed"): a model too small to write the action
+    """Behaviour cloning on expert episodes (docs/design-notes.md, the CPU testbed): a model too small to write the action
     format learns it before Stage 1. Tasks are split (seeded) into training and held-out ones
     (--val_fraction); the held-out loss is reported after every epoch. Same loss and loop as Stage 1
     (finetune: completion-only token-mean NLL). Writes an HF checkpoint, sft_log.jsonl and warmup.json."""

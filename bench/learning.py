@@ -44,7 +44,7 @@ def parse_args(argv):
     ap.add_argument("--tasks_per_update", type=int, default=4)
     ap.add_argument("--group_size", type=int, default=4)
     ap.add_argument("--max_steps", type=int, default=4,
-                    help="steps per episode; Sokoban rooms need at most this many moves (README: why 4)")
+                    help="steps per episode; Sokoban rooms need at most this many moves (bench/RESULTS.md, History: why 4)")
     ap.add_argument("--history_length", type=int, default=0, help="past steps in the prompt (Sokoban is Markov)")
     ap.add_argument("--max_tokens", type=int, default=48, help="response tokens per turn")
     ap.add_argument("--analyzer_max_tokens", type=int, default=256, help="SEED's analysis tokens")

@@ -1,4 +1,4 @@
-"""Per-rank memory of a Stage-2 run (Section 3.3's training loop as seed.py runs it, DESIGN section 5),
+"""Per-rank memory of a Stage-2 run (Section 3.3's training loop as seed.py runs it, docs/gpu.md),
 predicted from a model's config.json before anyone rents GPUs, and checked against measured peaks.
 
 Each rank holds: float32 master parameters, float32 gradients (DDP: views into its buckets, which stay

@@ -1,4 +1,4 @@
-"""Chance level of the CPU testbed (README, "CPU testbed"): how often a policy that ignores the board wins.
+"""Chance level of the CPU testbed (docs/design-notes.md, the CPU testbed): how often a policy that ignores the board wins.
 
 For each held-out Sokoban room (the test split, tasks 0 .. N-1, the rooms bench/learning.py evaluates), every
 sequence of `max_steps` moves is played through the env, so the numbers are exact, not sampled:

@@ -76,7 +76,7 @@ def padding_table(rows, mini, micro, seed):
 # ----------------------------------------------------------------------------- FLOP counts
 
 def flop_counts(model):
-    """Parameter counts for the FLOP formulas: all parameters (the issue's 6 N T), and the parts an exact
+    """Parameter counts for the FLOP formulas: all parameters (the usual 6 N T), and the parts an exact
     count separates (embedding/LM head, computed only on the kept R+1 positions by logits_to_keep)."""
     n_all = sum(p.numel() for p in model.parameters())
     n_emb = model.get_input_embeddings().weight.numel()

@@ -17,7 +17,7 @@ the machine's noise is larger than what is measured: the run is noise-dominated 
 
 The checkpoint (`--init auto`): the bench's own ALFWorld Stage 1 (.cache/bench/demo-sft: sft.py with the
 flags of the former ALFWorld demo, DEMO_SFT_FLAGS, and the scripted annotator, built once, a few minutes;
-./run.sh's demo is now the Sokoban testbed). From the base model (`--init ''`) no analysis parses, so
+./run.sh's demo is now the EZPoints testbed). From the base model (`--init ''`) no analysis parses, so
 SEED's re-scoring never runs and the ratio measures nothing of SEED.
 
 Each child also records each phase's peak resident memory (Linux VmHWM, reset before the phase) into

@@ -1,4 +1,4 @@
-"""ALFWorld (Shridhar et al., 2021) as a text environment (Section 5.1; DESIGN section 6).
+"""ALFWorld (Shridhar et al., 2021) as a text environment (Section 4.1; the env contract in envs/__init__.py).
 
 The game engine is the real `alfworld` package on TextWorld, with the machinery its `AlfredTWEnv`
 uses: TextWorld's PDDL environment over a `game.tw-pddl` file (the package's `alfred.pddl` domain,

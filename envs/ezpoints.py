@@ -1,7 +1,7 @@
 """EZPoints (Section 4.1; gym_cards' "EZPoints" as used by verl-agent/GiGPO, text version).
 
 Two playing cards are dealt; the agent writes an arithmetic expression that equals 12, using each
-card's value exactly once, one token per step: a card value, an operator (+ - * /) or `=`. J, Q and
+card's value exactly once, one token per step: a card value, an operator (+ or *) or `=`. J, Q and
 K count as 10 (as in gym_cards). `=` ends the episode and the formula is evaluated by the small
 recursive-descent parser below over exact fractions (never Python's `eval`). Only card pairs that
 admit a solution are dealt: the task list is every ordered pair of the 52 cards whose values an

@@ -1,4 +1,4 @@
-"""BM25 retriever server speaking Search-R1's protocol (Section 5.1, search QA; DESIGN section 6).
+"""BM25 retriever server speaking Search-R1's protocol (Section 4.1, search QA; docs/design-notes.md#environments).
 
     POST /retrieve  {"query": "...", "topk": 3, "return_scores": true}
                 or  {"queries": ["...", ...], "topk": 3, "return_scores": true}   (Search-R1's batch form)

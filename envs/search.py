@@ -1,4 +1,4 @@
-"""Search-augmented QA with the Search-R1 protocol (Section 5.1; Jin et al. 2025; DESIGN section 6).
+"""Search-augmented QA with the Search-R1 protocol (Section 4.1; Jin et al. 2025; docs/design-notes.md#environments).
 
 Each turn the model either searches, `<search> query </search>`, and the env answers with the top
 documents of the retriever as `<information>Doc 1(Title: ...) ...</information>`, or answers,

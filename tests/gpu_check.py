@@ -1,6 +1,5 @@
-"""The GPU self-check (`./run.sh gpu-check`): proves the colocated GPU path of Section 3.3's training loop
-(Appendix B.4: 8 GPUs, one vLLM engine per rank) on this machine in minutes, one line per check and a
-verdict. tests/test_gpu.py runs the same checks under pytest.
+"""The GPU self-check (`./run.sh gpu-check`): proves the colocated GPU path of docs/gpu.md on this
+machine in minutes, one line per check and a verdict. tests/test_gpu.py runs the same checks under pytest.
 
 One process (needs CUDA):
     1. memory   bench/memory.py's estimate of one update step against torch.cuda.max_memory_allocated

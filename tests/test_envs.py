@@ -1,5 +1,5 @@
 """Tests for the Sokoban, EZPoints, Search QA (with the BM25 retriever server) and WebShop envs
-(DESIGN section 6): experts win, each env's validity rule is the authors' projection (one test per env),
+(docs/design-notes.md#environments): experts win, each env's validity rule is the authors' projection (one test per env),
 hostile text never raises, prompts carry the skill-insertion task line, seeds fix tasks, and the retriever
 protocol works on 127.0.0.1."""
 import ast

@@ -1,8 +1,8 @@
-"""The GPU path (Section 3.3's loop on Appendix B.4's GPUs) on a machine with CUDA: tests/gpu_check.py (what
-`./run.sh gpu-check` runs) in a child process, one test per check line, so its engine and process group never
-meet the test session's; with 2 GPUs also `gpu_check.py --ranks 2` (NCCL, one engine per rank, both layouts).
-Every test here needs CUDA and skips without it; on CPU the same paths are covered by test_rollout.py (weight
-sync, FSDP2 streamed push), test_seed.py (DDP / FSDP2 equal one process) and test_gpu_path.py."""
+"""The GPU path (docs/gpu.md) on a machine with CUDA: tests/gpu_check.py (what `./run.sh gpu-check` runs) in
+a child process, one test per check line, so its engine and process group never meet the test session's; with
+2 GPUs also `gpu_check.py --ranks 2` (NCCL, one engine per rank, both layouts). Every test here needs CUDA and
+skips without it; on CPU the same paths are covered by test_rollout.py (weight sync, FSDP2 streamed push),
+test_seed.py (DDP / FSDP2 equal one process) and test_gpu_path.py."""
 import os
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Rollouts and engines (DESIGN sections 4-5): the vLLM engine's weights follow the trainer's,
+"""Rollouts and engines (docs/gpu.md): the vLLM engine's weights follow the trainer's,
 `collect` records are complete and consistent with both engines, ranks sample different episodes,
 and malformed model output becomes invalid steps, never an exception."""
 import json

@@ -38,7 +38,7 @@ class SkillReader:
             return json.dumps({"episode_summary": "done", "episode_skill": skill})
         formula = re.findall(r"Formula so far: (.*)", text)[-1].strip()
         written = [] if formula.startswith("(empty)") else formula.split()
-        named = re.search(r"(?:workflow|key steps are): ([^.]*)", text) if envs.SKILL_HEADER in text else None
+        named = re.search(r"(?:workflow|key steps are): ([^.]*)", text) if envs.EPISODE_SKILL[0] in text else None
         plan = TOKEN.findall(named.group(1)) if named else []
         action = plan[len(written)] if len(written) < len(plan) else self.rng.choice(ezpoints.TOKENS)
         return json.dumps({"thoughts": "I pick the next token.", "action": action})

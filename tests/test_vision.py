@@ -1,7 +1,7 @@
 """Visual agents (Appendix C.3): image observations, multimodal prompts, log-probs with the vision inputs,
 re-scoring and the weight push, on a tiny Qwen2.5-VL with random weights built here (tests/tiny_vl.py: no
 download). The rollout engine is the HF one: vLLM's CPU build cannot load Qwen2.5-VL without torchvision
-(README, "Visual agents")."""
+(docs/design-notes.md, visual agents)."""
 import numpy as np
 import pytest
 import torch

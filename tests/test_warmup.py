@@ -1,4 +1,4 @@
-"""The CPU testbed's warm start (`sft.py --stage warmup`, README "CPU testbed"): every behaviour-cloning
+"""The CPU testbed's warm start (`sft.py --stage warmup`, docs/design-notes.md, the CPU testbed): every behaviour-cloning
 target is exactly what the env accepts (decoded as a rollout decodes a sampled response, replayed through
 `env.step`: valid at every step, the episode won, the prompts the ones a rollout would send), and the stage
 runs end to end on a tiny config, reporting its held-out loss and writing a checkpoint seed.py and sft.py take."""
@@ -58,7 +58,7 @@ def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
         assert len(p) == len(q) > 0
         for (pp, pc), (sp, sc) in zip(p, q):
             text, plain_text = tokenizer.decode(sp), tokenizer.decode(pp)
-            assert envs.SKILL_HEADER in text and envs.SKILL_HEADER not in plain_text
+            assert envs.EPISODE_SKILL[0] in text and envs.EPISODE_SKILL[0] not in plain_text
             assert " -> ".join(info["expert_plan"]) in text                       # the skill names the route
             a, b = json.loads(tokenizer.decode(sc, skip_special_tokens=True)), json.loads(tokenizer.decode(pc, skip_special_tokens=True))
             assert a["action"] == b["action"] and a["thoughts"] == sft.SKILL_THOUGHT + b["thoughts"]
