@@ -255,7 +255,8 @@ def test_response_logprobs_gradient(smol):
 
 def test_chunked_logprobs_equal_one_chunk_values_and_gradients(smol, monkeypatch):
     """The LM head over chunks of 3 response positions (checkpointed under grad) gives the values and
-    the gradients of one chunk over all positions, within 1e-5."""
+    the gradients of one chunk over all positions, within float32 rounding (2e-6 of the largest magnitude:
+    a few ulps, as the chunked matmul may block differently; a misplaced chunk is off by whole nats)."""
     model, tok = smol
     g = torch.Generator().manual_seed(1)
     prompts = [rollout.chat_ids(tok, "Your task is to: heat some egg. " * k) for k in (1, 3)]
@@ -273,9 +274,10 @@ def test_chunked_logprobs_equal_one_chunk_values_and_gradients(smol, monkeypatch
 
     lp1, ent1, g1 = run(11)          # one chunk: the whole response
     lp3, ent3, g3 = run(3)           # four chunks of 3, 3, 3, 2 positions
-    assert (lp1 - lp3).abs().max() <= 1e-5 and (ent1 - ent3).abs().max() <= 1e-5
+    tol = lambda x: 2e-6 * max(1.0, float(x.abs().max()))                      # noqa: E731
+    assert (lp1 - lp3).abs().max() <= tol(lp1) and (ent1 - ent3).abs().max() <= tol(ent1)
     for a, b in zip(g1, g3):
-        assert a.abs().max() > 0 and (a - b).abs().max() <= 1e-5 * max(1.0, float(a.abs().max()))
+        assert a.abs().max() > 0 and (a - b).abs().max() <= 5 * tol(a)
 
 
 def test_masked_mean_clamps_the_global_count_before_the_world():
