@@ -278,9 +278,10 @@ def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_
     answer back plus a corrective message, up to `retries` more rounds over the episodes still unparsed.
     Sets ep.summary / ep.skill (None when it never parsed, or in step_only mode) and ep.step_skills.
     -> {"episodes", "parsed", "parse_failures", "parse_failure_rate", "first_try_failures", "generate_calls"}.
-    `engine` is any object with the CONTRACT's generate(prompt_ids_list, temperature, max_tokens, n). Each
-    episode is read whole up to `max_prompt_tokens` (fit_prompt), never beyond what the engine's max_model_len
-    leaves after `answer_room` (the default budget)."""
+    `engine` is any object with rollout's engine interface, generate(prompt_ids_list, temperature, max_tokens,
+    n) -> [(token_ids, logprobs)] (rollout.VLLMEngine, rollout.HFEngine). Each episode is read whole up to
+    `max_prompt_tokens` (fit_prompt), never beyond what the engine's max_model_len leaves after `answer_room`
+    (the default budget)."""
     room = getattr(engine, "max_model_len", 4096) - answer_room(max_tokens, retries)
     max_prompt_tokens = room if max_prompt_tokens is None else min(max_prompt_tokens, room)
     if max_prompt_tokens < 256:
@@ -513,9 +514,9 @@ def words(text):
 
 class SkillLibrary:
     """Stage-1 skills, one JSON line each: {"env", "family", "task", "skill"} ("task": task_key's text).
-    `retrieve` serves the static_skills / skill_grpo / skill_prompt baselines: among the env's skills the
-    same family first (any family when it has none), in it an entry with the same task text (whitespace
-    aside), else the best BM25 match of the task text over `words`."""
+    `retrieve` serves the library baselines (seed.LIBRARY): among the env's skills the same family first (any
+    family when it has none), in it an entry with the same task text (whitespace aside), else the best BM25
+    match of the task text over `words`."""
 
     def __init__(self, entries=None):
         self.entries = list(entries or [])

@@ -7,7 +7,8 @@ Algorithm 1 (Appendix B.3) at a time.
         skills     <- analyze(pi_old, episodes)                        # the same snapshot, greedy (Section 3.3):
                                                                        # episode skill, step skills (--skill_mode)
         A          <- group advantages of the step rows                # GRPO's group-normalized advantage
-        lp_ref, lp_old <- one no-grad pass each over the rows
+        lp_old     <- a no-grad pass, only when the rows span several mini-batches (else the update's own)
+        lp_ref     <- a no-grad pass, only when kl_coef > 0
         lp_skill   <- rescore(pi_old, rows, skill inserted)            # dual-context re-scoring (Section 3.3):
                                                                        # step or episode skill (opd.teacher_skills)
         for each mini-batch:  L = L_pg + kl_coef L_kl - ent_coef H + lambda_opd L_opd   (the joint objective)
@@ -195,7 +196,7 @@ def rl_update(u, run):
         steps = [s for ep in episodes for s in ep.steps]
         rows, ep_of = grpo.make_rows(episodes, steps, run.train_envs[0].invalid_penalty, cfg)
         model, pad_id = run.model, run.tok.pad_token_id
-        # 4. reference and old log-probs: one no-grad pass each
+        # 4. old and reference log-probs, each a no-grad pass only when needed
         if all_sum(len(rows)) > cfg.mini_batch_size:   # later mini-batches need log pi_old; one mini-batch does not
             rows.old = grpo.batch_logprobs(run.fwd, rows, pad_id, cfg, run.device)
         if cfg.kl_coef > 0:
