@@ -198,7 +198,7 @@ class Rows:
     has_skill: torch.Tensor   # [rows] 1.0 where the row's episode has a skill (OPD applies)
     old: list = None     # log pi_old per token
     ref: list = None     # log pi_ref per token
-    skill: list = None   # log pi_old per token under the skill-augmented context
+    skill_lp: list = None   # log pi_old per token under the skill-augmented context (lp_skill)
 
     def __len__(self):
         return len(self.prompts)
@@ -206,7 +206,7 @@ class Rows:
     def take(self, idx):
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]
         return Rows([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.adv[idx],
-                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.skill))
+                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.skill_lp))
 
 
 def pad(seqs, R):
@@ -218,17 +218,16 @@ def pad(seqs, R):
 
 
 def make_rows(episodes, steps, penalty, cfg):
-    """GRPO's inputs: step rows, rewards with the invalid-action penalty, group-normalized advantages."""
-    ep_of = [e for e, ep in enumerate(episodes) for _ in ep.steps]
-    valid = [s.valid for s in steps]
-    if cfg.adv_level == "trajectory":
-        r = row_rewards([episodes[e].reward for e in ep_of], valid, penalty)
-        adv = group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm, episode_ids=ep_of)
-    else:
-        r = row_rewards([episodes[e].reward for e in ep_of], valid, penalty)
-        adv = group_advantages(r, [episodes[e].group_id for e in ep_of], norm=cfg.adv_norm)
-    has = torch.tensor([1.0 if episodes[e].skill else 0.0 for e in ep_of])
-    return Rows([s.prompt_ids for s in steps], [list(s.response_ids) for s in steps], adv, has), ep_of   # ImagePrompts keep their images
+    """GRPO's inputs: step rows, rewards with the invalid-action penalty, group-normalized advantages.
+    -> (Rows, row_episode: the index in `episodes` of each row's episode)."""
+    row_episode = [e for e, ep in enumerate(episodes) for _ in ep.steps]           # the episode of each row
+    r = row_rewards([episodes[e].reward for e in row_episode], [s.valid for s in steps], penalty)   # [rows]
+    trajectory = row_episode if cfg.adv_level == "trajectory" else None            # each episode counts once
+    adv = group_advantages(r, [episodes[e].group_id for e in row_episode], norm=cfg.adv_norm,
+                           episode_ids=trajectory)                                 # [rows]
+    has = torch.tensor([1.0 if episodes[e].skill else 0.0 for e in row_episode])   # [rows]
+    rows = Rows([s.prompt_ids for s in steps], [list(s.response_ids) for s in steps], adv, has)   # ImagePrompts kept
+    return rows, row_episode
 
 
 # ----------------------------------------------------------------------------- per-token loss terms

@@ -154,8 +154,8 @@ class Run:
     run_dir: str                       # the run folder (--out): config.json, metrics.jsonl, episodes/, checkpoint/
     tok: "transformers.PreTrainedTokenizerBase"   # the policy's tokenizer (chat template, pad id)
     model: torch.nn.Module             # pi_theta, wrapped (DDP or FSDP2): what AdamW steps
-    fwd: torch.nn.Module               # the same weights for no-grad passes (unwrapped under DDP: no hooks)
-    ref: torch.nn.Module               # pi_ref, frozen (the --init checkpoint); fwd itself when kl_coef = 0
+    no_grad_model: torch.nn.Module     # the same weights for no-grad passes (unwrapped under DDP: no hooks)
+    ref: torch.nn.Module               # pi_ref, frozen (the --init checkpoint); no_grad_model itself when kl_coef = 0
     opt: torch.optim.Optimizer         # AdamW on model's parameters
     engine: "rollout.VLLMEngine | rollout.HFEngine"   # this rank's rollout engine, holding pi_old
     data_rng: np.random.Generator      # the data order: the tasks of each update (saved in checkpoints)
@@ -194,20 +194,20 @@ def rl_update(u, run):
     with timed(sec, "logprobs"):
         # 3. rows, rewards, advantages
         steps = [s for ep in episodes for s in ep.steps]
-        rows, ep_of = grpo.make_rows(episodes, steps, run.train_envs[0].invalid_penalty, cfg)
+        rows, row_episode = grpo.make_rows(episodes, steps, run.train_envs[0].invalid_penalty, cfg)
         model, pad_id = run.model, run.tok.pad_token_id
         # 4. old and reference log-probs, each a no-grad pass only when needed
         if all_sum(len(rows)) > cfg.mini_batch_size:   # later mini-batches need log pi_old; one mini-batch does not
-            rows.old = grpo.batch_logprobs(run.fwd, rows, pad_id, cfg, run.device)
+            rows.old = grpo.batch_logprobs(run.no_grad_model, rows, pad_id, cfg, run.device)
         if cfg.kl_coef > 0:
             rows.ref = grpo.batch_logprobs(run.ref, rows, pad_id, cfg, run.device)
     with timed(sec, "rescore"):   # 5. re-score under the skill-augmented context (rows with a skill are distilled)
         teachers = opd.row_teachers(episodes, cfg)        # per row: (episode skill, step skill) or None
         if cfg.algo in RESCORE:
             rows.has_skill = torch.tensor([1.0 if k else 0.0 for k in teachers])
-            rows.skill = opd.rescore_rows(run.fwd, run.tok, steps, teachers, cfg, run.device)
+            rows.skill_lp = opd.rescore_rows(run.no_grad_model, run.tok, steps, teachers, cfg, run.device)
     with timed(sec, "diagnostics"):   # can the teacher teach? (tie share; the skill's shift on action tokens)
-        diag = teacher_diagnostics(run, rows, steps, teachers, [episodes[e].group_id for e in ep_of])
+        diag = teacher_diagnostics(run, rows, steps, teachers, [episodes[e].group_id for e in row_episode])
     with timed(sec, "update"):    # 6. mini-batch updates of the joint objective, one pass, rows shuffled
         order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
         sums, norms = update_policy(model, run.opt, rows, cfg, pad_id, world, run.device, order, main_rank,
@@ -245,9 +245,10 @@ def teacher_diagnostics(run, rows, steps, skills, groups):
     if rows.old is not None:
         lp = [rows.old[i] for i in todo]
     else:   # every rank makes the same passes (FSDP): a rank without skill rows scores one row and drops it
-        lp = grpo.batch_logprobs(run.fwd, rows.take(todo or [0]), run.tok.pad_token_id, cfg, run.device)[:len(todo)]
+        lp = grpo.batch_logprobs(run.no_grad_model, rows.take(todo or [0]), run.tok.pad_token_id, cfg,
+                                 run.device)[:len(todo)]
     masks = [envs.response_masks(run.tok, steps[i].response_ids, cfg.env) for i in todo]
-    local = opd.shift_samples(lp, [rows.skill[i] for i in todo], [m[0] for m in masks], [m[1] for m in masks],
+    local = opd.shift_samples(lp, [rows.skill_lp[i] for i in todo], [m[0] for m in masks], [m[1] for m in masks],
                               [float(rows.adv[i]) for i in todo], cfg.beta_opd)
     merged = {k: [x for part in gather(local) for x in part[k]] for k in local}
     return out | {f"diag/{k}": v for k, v in opd.shift_metrics(merged, cfg.beta_opd).items()}
@@ -268,16 +269,16 @@ def analyze(engine, tok, episodes, cfg, progress, chunk=32):
 
 # ----------------------------------------------------------------------------- the joint objective (Section 3.3)
 
-def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, progress=0.0):
+def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, done=0.0):
     """The joint loss of one micro-batch as its share of the global token means. n_tok / n_skill = response
-    tokens / tokens of rows with a skill, in the whole mini-batch over all ranks; progress = the share of
+    tokens / tokens of rows with a skill, in the whole mini-batch over all ranks; done = the share of
     the run's updates done (RLSD's anneal). -> (loss, sums for the metrics)."""
     with autocast(device, resolved_dtype(cfg)):
         lp, mask, ent = grpo.response_logprobs(model, mb.prompts, mb.responses, pad_id, grad=True,
                                                entropy=cfg.ent_coef > 0)          # [rows, R]
     R = lp.shape[1]
     padded = lambda x: None if x is None else grpo.pad(x, R).to(lp.device)
-    old, ref, lps = padded(mb.old), padded(mb.ref), padded(mb.skill)               # [rows, R]
+    old, ref, lp_skill = padded(mb.old), padded(mb.ref), padded(mb.skill_lp)       # [rows, R]
     if old is None:   # one mini-batch: pi_old is exactly the weights of this forward
         old = lp.detach()
     adv = mb.adv.to(lp.device)                                                     # [rows]
@@ -287,37 +288,37 @@ def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, progress=0
     if cfg.algo == "opsd":
         pg = torch.zeros_like(pg)                       # pure self-distillation: no reward term
     elif cfg.algo == "rlsd":                            # teacher gap = per-token magnitude, A = direction
-        w = 1.0 + skill_mask * (opd.rlsd_weights(lp, lps, adv, RLSD_EPS, 1.0 - progress) - 1.0)   # [rows, R]
+        w = 1.0 + skill_mask * (opd.rlsd_weights(lp, lp_skill, adv, RLSD_EPS, 1.0 - done) - 1.0)  # [rows, R]
         pg = pg * w
     kl = grpo.kl_k3(lp, ref) if ref is not None else None                          # [rows, R] k3 KL
     use_opd = cfg.algo in DISTILL
     if cfg.algo in ("opsd", "grpo_opsd", "skill_sd"):
-        od = opd.opsd_loss(lp, lps)                                                # [rows, R] ungated
+        opd_tok = opd.opsd_loss(lp, lp_skill)                                      # [rows, R] ungated
     else:
-        od = opd.opd_loss(lp, lps, cfg.beta_opd) if use_opd else None              # [rows, R] gated OPD
-    lam = 1.0 if cfg.algo == "opsd" else cfg.lambda_opd
+        opd_tok = opd.opd_loss(lp, lp_skill, cfg.beta_opd) if use_opd else None    # [rows, R] gated OPD
+    lambda_opd = 1.0 if cfg.algo == "opsd" else cfg.lambda_opd
     # DDP and FSDP average gradients over ranks: divide by the global counts / world (grpo.masked_mean).
-    loss, _ = grpo.joint_loss(pg, kl, ent, od, mask, skill_mask, n_tok, n_skill,
-                              cfg.kl_coef, cfg.ent_coef, lam if use_opd else 0.0, world=world)
+    loss, _ = grpo.joint_loss(pg, kl, ent, opd_tok, mask, skill_mask, n_tok, n_skill,
+                              cfg.kl_coef, cfg.ent_coef, lambda_opd if use_opd else 0.0, world=world)
     with torch.no_grad():
-        g = opd.gates(lps, lp, cfg.beta_opd) if use_opd else torch.zeros_like(lp)  # [rows, R]
+        g = opd.gates(lp_skill, lp, cfg.beta_opd) if use_opd else torch.zeros_like(lp)   # [rows, R]
         ratio = torch.exp(torch.clamp(lp - old, -20, 20))                          # [rows, R]
         A = adv[:, None]
         clipped = ((A > 0) & (ratio > 1 + cfg.clip_high)) | ((A < 0) & (ratio < 1 - cfg.clip_low))
         sums = {"pg": (pg * mask).sum(), "kl": (kl * mask).sum() if kl is not None else 0.0,
                 "entropy": (ent * mask).sum() if ent is not None else 0.0,
-                "opd": (od * skill_mask).sum() if od is not None else 0.0,
+                "opd": (opd_tok * skill_mask).sum() if opd_tok is not None else 0.0,
                 "gate": (g * skill_mask).sum(), "gate_sq": (g * g * skill_mask).sum(),
                 "rlsd_weight": (w * skill_mask).sum() if w is not None else 0.0,
                 "skill_tokens": skill_mask.sum(), "clipped": (clipped * mask).sum(), "tokens": mask.sum()}
     return loss, {k: float(v) for k, v in sums.items()}
 
 
-def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, progress=False, done=0.0,
+def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, show_bar=False, done=0.0,
                   streak=None, update=None):
     """One pass over the rows in mini-batches (ppo_epochs = 1); each mini-batch is one AdamW step on the
     token-mean joint loss over all ranks' rows. `order`: this rank's row order (shuffled by the caller);
-    `done`: the share of the run's updates done (micro_loss's progress). A mini-batch whose global grad norm
+    `done`: the share of the run's updates done (RLSD's anneal, micro_loss). A mini-batch whose global grad norm
     is not finite is skipped (grads zeroed, no AdamW step, counted in "skipped_steps"); `streak`, a one-item
     list the caller keeps across updates, counts the skips in a row, and MAX_SKIPS of them stop the run
     with an error naming `update`.
@@ -326,7 +327,7 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, prog
     n_mb = max(1, math.ceil(all_sum(len(rows)) / cfg.mini_batch_size))
     totals, norms, skipped = {}, [], 0
     streak = [0] if streak is None else streak
-    bar = tqdm(total=n_mb, desc="update", disable=not progress, leave=False)
+    bar = tqdm(total=n_mb, desc="update", disable=not show_bar, leave=False)
     for part in np.array_split(np.array(order, dtype=np.int64), n_mb):
         part = grpo.by_length(part.tolist(), rows.prompts, rows.responses)   # same gradient, less padding
         mbrows = rows.take(part)
@@ -473,7 +474,7 @@ def engine_context(cfg, model_path):
 def load_models(cfg, device, world, resuming):
     """The policy pi_theta (the run's checkpoint when resuming, else --init or the base model), wrapped for DDP /
     FSDP2, and the frozen reference pi_ref (the --init checkpoint, or the base model; only with the KL term).
-    -> (model, fwd, ref, tok, the folder the engine loads)."""
+    -> (model, no_grad_model, ref, tok, the folder the engine loads)."""
     init, ckpt = cfg.init or cfg.model, os.path.join(cfg.out, runfolder.CHECKPOINT)
     model, tok, init_path = rollout.load_model(ckpt if resuming else init)
     if cfg.gradient_checkpointing:
@@ -483,9 +484,9 @@ def load_models(cfg, device, world, resuming):
         ref, _, _ = rollout.load_model(init, dtype=resolved_dtype(cfg))   # frozen: bf16 on GPU
         ref = wrap(ref.requires_grad_(False).eval(), cfg, device, world, trainable=False)
     model = wrap(model, cfg, device, world)
-    fwd = unwrap(model) if not cfg.fsdp else model                   # no-grad passes skip DDP's hooks
-    ref = fwd if ref is None else ref                                # kl_coef = 0: the KL term is unused
-    return model, fwd, ref, tok, ckpt if resuming else init_path
+    no_grad_model = unwrap(model) if not cfg.fsdp else model         # no-grad passes skip DDP's hooks
+    ref = no_grad_model if ref is None else ref                      # kl_coef = 0: the KL term is unused
+    return model, no_grad_model, ref, tok, ckpt if resuming else init_path
 
 
 def build_run(cfg):
@@ -495,7 +496,7 @@ def build_run(cfg):
     if cfg.tasks_per_update % world:
         fail(f"--tasks_per_update {cfg.tasks_per_update} must be a multiple of the {world} ranks")
     resuming = runfolder.open_folder(cfg, rank, world)
-    model, fwd, ref, tok, model_path = load_models(cfg, device, world, resuming)
+    model, no_grad_model, ref, tok, model_path = load_models(cfg, device, world, resuming)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     data_rng = np.random.default_rng(cfg.seed)
     library = analyzer.SkillLibrary.load(library_path(cfg)) if cfg.algo in LIBRARY else None
@@ -511,7 +512,7 @@ def build_run(cfg):
         print(f"[seed] --train_fraction {cfg.train_fraction}: {len(train_ids)} of {train_envs[0].num_tasks} "
               f"training tasks", flush=True)
     eval_ids = {s: eval_task_ids(cfg, s, rank, world) for s in envs.EVAL_SPLITS[cfg.env]}
-    return Run(cfg, rank, world, device, cfg.out, tok, model, fwd, ref, opt, engine, data_rng, library,
+    return Run(cfg, rank, world, device, cfg.out, tok, model, no_grad_model, ref, opt, engine, data_rng, library,
                train_envs, train_ids, eval_ids, start=start)
 
 

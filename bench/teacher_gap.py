@@ -11,7 +11,9 @@ From one checkpoint, on the first --tasks tasks of --split, --group_size samples
     (d) shift     teacher-forced on (a)'s own sampled responses: delta = lp_skill - lp on action and thought
                   tokens (envs.response_masks), the gate's std on action tokens (beta_opd), the share of action
                   tokens with |delta| > 0.5, and cov(row's mean action-token gate, its GRPO advantage);
-                  on a seeded sample of --shift_rows step rows (a CPU forward per row and context is slow)
+                  on a seeded sample of --shift_rows step rows (a CPU forward per row and context is slow);
+                  each row under the teacher context Stage 2 re-scores it with (opd.row_teachers: by
+                  --skill_mode and --skill_teacher_mode, a step's own critical-step skill first)
 
 Gaps are paired over tasks: d_t = success_b(t) - success_a(t), gap = mean d_t, SE = std(d_t) / sqrt(tasks).
 Verdict: "OPD has a signal" when the own-skill gap - 2 SE > 0 AND the gate's std on action tokens is at
@@ -30,6 +32,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -92,11 +95,13 @@ def scores(model, tok, steps, rows, skills, cfg, device):
 
 @torch.no_grad()
 def shift(model, tok, steps, skills, adv, plain, cfg, device):
-    """(d) for one teacher, over the step rows whose episode has a skill: lp (`plain`, {row: lp}) against
-    lp_skill; a row whose prompt the skill does not change has lp_skill = lp (the same context).
+    """(d) for one teacher, over the step rows that have a teacher context (skills: one opd.teacher_skills pair
+    or None per row): lp (`plain`, {row: lp}) against lp_skill; a row whose prompt the skills do not change has
+    lp_skill = lp (the same context).
     -> opd.shift_metrics | {"rows"}."""
     todo = [i for i, k in enumerate(skills) if k]
-    changed = [i for i in todo if envs.insert_skill(steps[i].prompt_text, skills[i], cfg.env) != steps[i].prompt_text]
+    changed = [i for i in todo if envs.insert_skill(steps[i].prompt_text, skills[i][0], cfg.env, skills[i][1])
+               != steps[i].prompt_text]
     lps = plain | scores(model, tok, steps, changed, [skills[i] for i in changed], cfg, device)
     masks = [envs.response_masks(tok, steps[i].response_ids, cfg.env) for i in todo]
     samples = opd.shift_samples([plain[i] for i in todo], [lps[i] for i in todo], [m[0] for m in masks],
@@ -118,14 +123,19 @@ def measure(engine, model, tok, cfg, progress=False):
         stats = seed.analyze(engine, tok, student, cfg, progress)
     own = [ep.skill for ep in student]
     has_expert = all(ep.info.get("expert_plan") for ep in student)
-    oracle = [analyzer.scripted_analysis(ep, cfg.max_steps)["episode_skill"] for ep in student] if has_expert else None
+    scripted = [analyzer.scripted_analysis(ep, cfg.max_steps, cfg.max_step_skills) for ep in student] if has_expert else []
+    oracle = [a["episode_skill"] for a in scripted] or None
     with timed(sec, "replay"):
         again = replay(engine, tok, cfg, student, {"own": own} | ({"oracle": oracle} if oracle else {}), progress)
     with timed(sec, "shift"):
         steps = [s for ep in student for s in ep.steps]
-        rows, ep_of = grpo.make_rows(student, steps, play_envs[0].invalid_penalty, cfg)
-        tied, groups = grpo.tied_groups(rows.adv, [student[e].group_id for e in ep_of])
-        teachers = {name: [ks[e] for e in ep_of] for name, ks in (("own", own), ("oracle", oracle)) if ks}
+        rows, row_episode = grpo.make_rows(student, steps, play_envs[0].invalid_penalty, cfg)
+        tied, groups = grpo.tied_groups(rows.adv, [student[e].group_id for e in row_episode])
+        oracle_eps = [SimpleNamespace(skill=a["episode_skill"], steps=ep.steps, step_skills=a["step_skills"])
+                      for a, ep in zip(scripted, student)]   # the scripted annotation as the live one's fields
+        teachers = {"own": opd.row_teachers(student, cfg)}                        # per row: (episode, step) or None
+        if oracle:
+            teachers["oracle"] = opd.row_teachers(oracle_eps, cfg)
         need = [i for i in range(len(steps)) if any(ks[i] for ks in teachers.values())]
         if cfg.shift_rows and len(need) > cfg.shift_rows:   # a seeded sample; the other rows count for no teacher
             need = sorted(np.random.default_rng([cfg.seed, 4]).choice(need, cfg.shift_rows, replace=False).tolist())

@@ -188,7 +188,7 @@ def main(argv=None):
     import grpo
     # warm-up: a forward and an optimizer step on two rows (oneDNN kernel choice, allocator, AdamW state)
     warm = trows.take([0, 1])
-    warm.old = warm.ref = warm.skill = run_pass(grpo, model, warm, [[0, 1]], pad_id)
+    warm.old = warm.ref = warm.skill_lp = run_pass(grpo, model, warm, [[0, 1]], pad_id)
     run_update(seed_mod, model, opt, warm, [[[0, 1]]], cfg, pad_id)
     best = {}
     for rep in range(args.repeats):          # layouts interleaved; the best of the repeats counts
@@ -198,7 +198,7 @@ def main(argv=None):
             common.reset_peak_rss()
             lp, *sec_p = common.clock(lambda: run_pass(grpo, model, trows, pb, pad_id))
             mem_p = common.peak_rss_mb()
-            trows.old, trows.ref, trows.skill = lp, lp, lp
+            trows.old, trows.ref, trows.skill_lp = lp, lp, lp
             common.reset_peak_rss()
             _, *sec_u = common.clock(lambda: run_update(seed_mod, model, opt, trows, minis, cfg, pad_id))
             mem_u = common.peak_rss_mb()

@@ -43,7 +43,7 @@ def fixed_rows(model, n=8):
     own = grpo.batch_logprobs(model, rows, 0, cfg, torch.device("cpu"))
     rows.old = [x + 0.05 * torch.randn(len(x), generator=g) for x in own]
     rows.ref = [x + 0.2 * torch.randn(len(x), generator=g) for x in own]
-    rows.skill = [x + 0.5 * torch.randn(len(x), generator=g) for x in own]
+    rows.skill_lp = [x + 0.5 * torch.randn(len(x), generator=g) for x in own]
     return rows
 
 

@@ -387,7 +387,7 @@ def test_micro_loss_opd_over_skill_tokens_and_rlsd_weights(smol):
     with torch.no_grad():
         lp, mask, _ = grpo.response_logprobs(model, rows.prompts, rows.responses, tok.pad_token_id)   # [4, R]
     R = lp.shape[1]
-    old, ls = grpo.pad(rows.old, R), grpo.pad(rows.skill, R)
+    old, ls = grpo.pad(rows.old, R), grpo.pad(rows.skill_lp, R)
     skill = rows.has_skill[:, None] * mask
     pg = grpo.policy_loss(lp, old, rows.adv, mask)                                               # [4, R]
     l_grpo, _ = loss("grpo")

@@ -175,8 +175,9 @@ def test_one_update_through_seed_on_image_sokoban(tiny_vl, tmp_path, monkeypatch
     analyzer): re-scoring and the OPD term then run on image rows."""
     import json
     import seed
-    monkeypatch.setattr(analyzer, "_parse", lambda text, lenient=False: (
-        {"episode_summary": "s", "episode_skill": "Push the box toward the target, never into a corner."}, ""))
+    monkeypatch.setattr(analyzer, "_parse", lambda text, lenient=False, *mode: (
+        {"episode_summary": "s", "episode_skill": "Push the box toward the target, never into a corner.",
+         "step_skills": {}}, ""))
     out = str(tmp_path / algo)
     seed.main(["--env", "sokoban", "--image", "--model", tiny_vl, "--init", "", "--algo", algo, "--out", out,
                "--engine", "hf", "--updates", "1", "--tasks_per_update", "1", "--group_size", "2",
