@@ -483,26 +483,30 @@ def collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tok
 
 def evaluate(engine, tokenizer, envs, task_ids, temperature=0.4, max_tokens=512, skills=None, progress=False):
     """One episode of each task at the eval temperature, len(envs) tasks at a time; `skills` (one per task)
-    in the prompt when given, else the plain policy. -> [(family, won, length, invalid steps)], one per task."""
+    in the prompt when given, else the plain policy. -> [(family, won, length, invalid steps, reward)], one per
+    task."""
     out = []
     for i in range(0, len(task_ids), max(len(envs), 1)):
         chunk = list(task_ids[i:i + len(envs)])
         eps = collect(engine, tokenizer, envs[:len(chunk)], chunk, 1, temperature=temperature, max_tokens=max_tokens,
                       skills=skills[i:i + len(chunk)] if skills else None, progress=progress)
-        out += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps)) for ep in eps]
+        out += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps), float(ep.reward))
+                for ep in eps]
     return out
 
 
 def eval_metrics(results, key):
     """evaluate's results (of every rank) -> {"<key>/success", "<key>/success_<family>", "<key>/success_macro"
-    (the mean over families), "<key>/length", "<key>/invalid_rate"} (nan when there are no results)."""
-    fams = sorted({f for f, _, _, _ in results})
-    per = {f: float(np.mean([w for g, w, _, _ in results if g == f])) for f in fams}
-    mean = lambda xs: float(np.mean(xs)) if results else float("nan")
-    out = {f"{key}/success": mean([w for _, w, _, _ in results]),
+    (the mean over families), "<key>/length", "<key>/invalid_rate", "<key>/reward"} (nan when there are no
+    results)."""
+    fams = sorted({r[0] for r in results})
+    per = {f: float(np.mean([r[1] for r in results if r[0] == f])) for f in fams}
+    mean = lambda i: float(np.mean([r[i] for r in results])) if results else float("nan")
+    out = {f"{key}/success": mean(1),
            f"{key}/success_macro": float(np.mean(list(per.values()))) if per else float("nan"),
-           f"{key}/length": mean([n for _, _, n, _ in results]),
-           f"{key}/invalid_rate": sum(b for *_, b in results) / max(sum(n for _, _, n, _ in results), 1)}
+           f"{key}/length": mean(2),
+           f"{key}/invalid_rate": sum(r[3] for r in results) / max(sum(r[2] for r in results), 1),
+           f"{key}/reward": mean(4)}
     return out | {f"{key}/success_{f}": v for f, v in per.items()}
 
 

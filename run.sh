@@ -53,7 +53,7 @@ setup() {
 
 # The embedded run, the CPU testbed of README: SmolLM2-135M on EZPoints. A warm start (behaviour cloning on
 # the solver's formulas: not part of the method, README says why), Stage 1 with the scripted analyzer, then a
-# short Stage 2 of SEED evaluated on held-out card pairs before and after (17 min on 2 Zen 5 cores, 32 on Zen 3: README).
+# short Stage 2 of SEED evaluated on held-out card pairs before and after (README gives its time per phase).
 # Running it again reuses the checkpoints and continues the Stage-2 run.
 demo() {
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
@@ -72,7 +72,7 @@ demo() {
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out card pairs before and after" >&2
   "$PY" seed.py "${sizes[@]}" --init runs/demo-sft --algo seed --out runs/demo-seed --resume --updates 3 \
-    --tasks_per_update 4 --group_size 4 --analyzer_max_tokens 256 --lr 2e-5 --kl_coef 0 \
+    --tasks_per_update 2 --group_size 4 --analyzer_max_tokens 256 --lr 2e-5 --kl_coef 0 \
     --eval_first --eval_every 3 --eval_tasks 32 --save_every 1 "$@"
   echo
   echo "[demo] finished in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
@@ -83,6 +83,7 @@ ev = [m for m in lines if "eval/test/success" in m]
 if len(ev) >= 2:
     a, b = ev[0], ev[-1]
     print(f"[demo] held-out (32 card pairs, T=0.4): success {a['eval/test/success']:.3f} -> {b['eval/test/success']:.3f}, "
+          f"reward {a['eval/test/reward']:.2f} -> {b['eval/test/reward']:.2f}, "
           f"valid actions {1 - a['eval/test/invalid_rate']:.3f} -> {1 - b['eval/test/invalid_rate']:.3f}, "
           f"episode length {a['eval/test/length']:.2f} -> {b['eval/test/length']:.2f} "
           f"(before Stage 2 -> after {b['update'] + 1} updates)")

@@ -182,11 +182,11 @@ def test_evaluate_metrics(tokenizer):
     envs = [ToyEnv(max_steps=4) for _ in range(4)]
     tasks = list(range(9))
     res = rollout.evaluate(ScriptedEngine(tokenizer, expert), tokenizer, envs, tasks)
-    assert len(res) == 9 and all(won == 1.0 and bad == 0 for _, won, _, bad in res)
+    assert len(res) == 9 and all(won == 1.0 and bad == 0 and reward > 0 for _, won, _, bad, reward in res)
     m = rollout.eval_metrics(res, "eval/test")
     assert m["eval/test/success"] == m["eval/test/success_macro"] == m["eval/test/success_low"] == 1.0
     assert m["eval/test/success_high"] == 1.0 and 1 <= m["eval/test/length"] <= 4
-    assert m["eval/test/invalid_rate"] == 0.0
+    assert m["eval/test/invalid_rate"] == 0.0 and m["eval/test/reward"] == pytest.approx(sum(r[4] for r in res) / 9)
     m = rollout.eval_metrics(rollout.evaluate(ScriptedEngine(tokenizer, lambda p: "<action>guess 1</action>"),
                                               tokenizer, envs, tasks), "eval/test")
     assert m["eval/test/success_low"] == 0.25 and m["eval/test/success_high"] == 0.0
