@@ -61,6 +61,7 @@ IN_CONTEXT = ("skill_grpo", "skill_grpo_star")          # the library skill in t
 DISTILL = ("seed", "static_skills", "opsd", "grpo_opsd", "skill_sd")   # an OPD / OPSD term in the loss
 RESCORE = DISTILL + ("rlsd",)                           # needs lp_skill (the teacher: skill in context)
 NO_TRAINING = ("vanilla", "skill_prompt")               # evaluate the starting model, no update
+EVAL_BATCH = 64   # held-out episodes played at once per rank (at least as many as in training): one env each
 MAX_SKIPS = 3     # optimizer steps in a row with a non-finite grad norm before the run stops (update_policy)
 RLSD_EPS = 0.2   # RLSD's bound on its per-token weight, w in [1 - eps, 1 + eps] (value not given: PPO's clip)
 
@@ -403,8 +404,9 @@ def run_eval(run, with_skill=False):
     runs = [("eval", cfg.eval_temperature)] + ([("eval_greedy", 0.0)] if cfg.eval_greedy else [])
     for split in envs.EVAL_SPLITS[cfg.env]:
         ids = run.eval_ids[split]
-        if split not in run.eval_envs:   # made once, reused by every evaluation; as many at once as in training
-            run.eval_envs[split] = [envs.from_config(cfg, split) for _ in range(min(len(ids), len(run.train_envs)))]
+        if split not in run.eval_envs:   # made once, reused by every evaluation
+            n = min(len(ids), max(len(run.train_envs), EVAL_BATCH))
+            run.eval_envs[split] = [envs.from_config(cfg, split) for _ in range(n)]
         es = run.eval_envs[split]
         skills = run.library.for_tasks(es[0], ids) if with_skill and ids else None
         for prefix, temperature in runs:
