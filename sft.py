@@ -349,23 +349,27 @@ EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env
 
 
 SKILL_THOUGHT = "Following the skill: "   # opens the thought of a warm-start target whose prompt has a skill
+# EZPoints with a skill: the thought copies the skill's route (the scripted skill's "4 -> + -> 8 -> =") in place of
+# the solution the plain thought computes, then tracks the formula so far: reading the skill becomes copying it
+SKILL_ROUTE = "{route}. The formula so far is {formula}, so the next token is {action}."
 
 
 def expert_response(env, skill=False):
     """The expert's next action (env.expert_action) as a response in the env's format, after a short thought
     (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so that the action is the solution's
-    next token; with `skill`, the thought opens with SKILL_THOUGHT): EZPoints a JSON object {"thoughts",
+    next token; with `skill`, the thought opens with SKILL_THOUGHT, and EZPoints' then copies the skill's route,
+    SKILL_ROUTE, in place of the solution): EZPoints a JSON object {"thoughts",
     "action"} (the authors' gym_cards format), the others <think>...</think><action>...</action>. None when the
     expert has no move here."""
     action = env.expert_action()
     if action is None:
         return None
-    opening = SKILL_THOUGHT if skill else ""
     if env.name == "ezpoints":
-        thought = opening + EXPERT_THOUGHTS["ezpoints"].format(solution=" ".join(env.expert_formula()), action=action,
-                                                               formula=" ".join(env.formula) or "empty")
+        solution, formula = env.expert_formula(), " ".join(env.formula) or "empty"
+        thought = (SKILL_THOUGHT + SKILL_ROUTE.format(route=" -> ".join(solution + ["="]), formula=formula, action=action)
+                   if skill else EXPERT_THOUGHTS["ezpoints"].format(solution=" ".join(solution), action=action, formula=formula))
         return json.dumps({"thoughts": thought, "action": action})
-    thought = opening + EXPERT_THOUGHTS[env.name].format(action=action)
+    thought = (SKILL_THOUGHT if skill else "") + EXPERT_THOUGHTS[env.name].format(action=action)
     return f"<think>{thought}</think><action>{action}</action>"
 
 

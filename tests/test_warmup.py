@@ -47,7 +47,8 @@ def test_warmup_targets_replay_valid_and_win(env_name, split, tasks, tokenizer):
 
 def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
     """--skill_fraction (CPU testbed, not the method): a skill example's prompt is the rollout prompt with the
-    task's scripted skill inserted, its thought opens with SKILL_THOUGHT, and its move is still the expert's."""
+    task's scripted skill inserted, its thought opens with SKILL_THOUGHT and copies the skill's route, and its move
+    is still the expert's."""
     cfg = sft_config(["--env", "ezpoints", "--max_steps", "5", "--history_length", "0"])
     tasks = list(range(6))
     plain = sft.expert_examples(cfg, tokenizer, tasks)
@@ -61,7 +62,9 @@ def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
             assert envs.EPISODE_SKILL[0] in text and envs.EPISODE_SKILL[0] not in plain_text
             assert " -> ".join(info["expert_plan"]) in text                       # the skill names the route
             a, b = json.loads(tokenizer.decode(sc, skip_special_tokens=True)), json.loads(tokenizer.decode(pc, skip_special_tokens=True))
-            assert a["action"] == b["action"] and a["thoughts"] == sft.SKILL_THOUGHT + b["thoughts"]
+            route = " -> ".join(info["expert_plan"])
+            assert a["action"] == b["action"] and a["thoughts"].startswith(sft.SKILL_THOUGHT + route + ".")
+            assert a["thoughts"].split(". ", 1)[1] == b["thoughts"].split(". ", 1)[1]   # the same formula tracking
         forms.add("workflow" in tokenizer.decode(q[0][0]))
     assert forms == {True, False}                                                 # both skill forms occur
 
