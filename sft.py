@@ -340,18 +340,19 @@ def finetune(cfg, examples, val, rank, world, device):
 
 # ----------------------------------------------------------------------------- the warm start (CPU testbed)
 
+EZ_TRACK = "The formula so far is {formula}, so the next token is {action}."   # EZPoints: where the formula stands
 EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env with an expert
     "alfworld": "To complete the task, my next step is to {action}.",
     "sokoban": "On the shortest way to push the box onto the target, my next move is {action}.",
     # the solution, then the formula so far, whose next token in the solution is the action (README, quick start)
-    "ezpoints": "{solution} = 12. The formula so far is {formula}, so the next token is {action}.",
+    "ezpoints": "{solution} = 12. " + EZ_TRACK,
 }
 
 
 SKILL_THOUGHT = "Following the skill: "   # opens the thought of a warm-start target whose prompt has a skill
 # EZPoints with a skill: the thought copies the skill's route (the scripted skill's "4 -> + -> 8 -> =") in place of
 # the solution the plain thought computes, then tracks the formula so far: reading the skill becomes copying it
-SKILL_ROUTE = "{route}. The formula so far is {formula}, so the next token is {action}."
+SKILL_ROUTE = "{route}. " + EZ_TRACK
 
 
 def expert_response(env, skill=False):

@@ -60,9 +60,9 @@ def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
         for (pp, pc), (sp, sc) in zip(p, q):
             text, plain_text = tokenizer.decode(sp), tokenizer.decode(pp)
             assert envs.EPISODE_SKILL[0] in text and envs.EPISODE_SKILL[0] not in plain_text
-            assert " -> ".join(info["expert_plan"]) in text                       # the skill names the route
-            a, b = json.loads(tokenizer.decode(sc, skip_special_tokens=True)), json.loads(tokenizer.decode(pc, skip_special_tokens=True))
             route = " -> ".join(info["expert_plan"])
+            assert route in text                                                  # the skill names the route
+            a, b = json.loads(tokenizer.decode(sc, skip_special_tokens=True)), json.loads(tokenizer.decode(pc, skip_special_tokens=True))
             assert a["action"] == b["action"] and a["thoughts"].startswith(sft.SKILL_THOUGHT + route + ".")
             assert a["thoughts"].split(". ", 1)[1] == b["thoughts"].split(". ", 1)[1]   # the same formula tracking
         forms.add("workflow" in tokenizer.decode(q[0][0]))
