@@ -207,12 +207,12 @@ def rl_update(u, run):
         if cfg.algo in RESCORE:
             rows.has_skill = torch.tensor([1.0 if k else 0.0 for k in teachers])
             rows.skill_lp = opd.rescore_rows(run.no_grad_model, run.tok, steps, teachers, cfg, run.device)
-    with timed(sec, "diagnostics"):   # can the teacher teach? (tie share; the skill's shift on action tokens)
-        diag = teacher_diagnostics(run, rows, steps, teachers, [episodes[e].group_id for e in row_episode])
     with timed(sec, "update"):    # 6. mini-batch updates of the joint objective, one pass, rows shuffled
         order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
         sums, norms = update_policy(model, run.opt, rows, cfg, pad_id, world, run.device, order, main_rank,
-                                    u / max(cfg.updates, 1), run.skip_streak, u)
+                                    u / max(cfg.updates, 1), run.skip_streak, u)   # fills rows.old if it was None
+    with timed(sec, "diagnostics"):   # can the teacher teach? (tie share; the skill's shift on action tokens)
+        diag = teacher_diagnostics(run, rows, steps, teachers, [episodes[e].group_id for e in row_episode])
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
         rollout.push(run.engine, model, run.opt)
     return (rollout.episode_metrics(episodes, stats) | step_skill_metrics(episodes, teachers, cfg)
@@ -234,20 +234,17 @@ def step_skill_metrics(episodes, teachers, cfg):
 def teacher_diagnostics(run, rows, steps, skills, groups):
     """Per update, over all ranks: diag/tied_groups (share of groups whose rewards all tie: GRPO's gradient is
     zero there) and, where the teacher is scored (RESCORE algos), opd.shift_metrics of lp_skill against the
-    snapshot's lp on the skill rows (lp: log pi_old when the update computed it, else one no-grad pass over
-    those rows), under "diag/": delta percentiles on action and thought tokens, the gate's std on action
-    tokens, the share of action tokens with |delta| > 0.5, and the gate-advantage covariance."""
+    snapshot's lp = log pi_old on the skill rows (rows.old: the no-grad pass of several mini-batches, or the
+    one mini-batch's own forward, kept by update_policy), under "diag/": delta percentiles on action and
+    thought tokens, the gate's std on action tokens, the share of action tokens with |delta| > 0.5, and the
+    gate-advantage covariance."""
     cfg = run.cfg
     tied, n = all_sum(list(grpo.tied_groups(rows.adv, groups)))
     out = {"diag/tied_groups": tied / n if n else float("nan")}
     if cfg.algo not in RESCORE:
         return out
     todo = [i for i, k in enumerate(skills) if k]
-    if rows.old is not None:
-        lp = [rows.old[i] for i in todo]
-    else:   # every rank makes the same passes (FSDP): a rank without skill rows scores one row and drops it
-        lp = grpo.batch_logprobs(run.no_grad_model, rows.take(todo or [0]), run.tok.pad_token_id, cfg,
-                                 run.device)[:len(todo)]
+    lp = [rows.old[i] for i in todo]
     masks = [envs.response_masks(run.tok, steps[i].response_ids, cfg.env) for i in todo]
     local = opd.shift_samples(lp, [rows.skill_lp[i] for i in todo], [m[0] for m in masks], [m[1] for m in masks],
                               [float(rows.adv[i]) for i in todo], cfg.beta_opd)
@@ -270,10 +267,11 @@ def analyze(engine, tok, episodes, cfg, progress, chunk=32):
 
 # ----------------------------------------------------------------------------- the joint objective (Section 3.3)
 
-def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, done=0.0):
+def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, done=0.0, keep=None):
     """The joint loss of one micro-batch as its share of the global token means. n_tok / n_skill = response
     tokens / tokens of rows with a skill, in the whole mini-batch over all ranks; done = the share of
-    the run's updates done (RLSD's anneal). -> (loss, sums for the metrics)."""
+    the run's updates done (RLSD's anneal); keep: a list that receives this forward's detached log-probs
+    when they are pi_old's (mb.old is None). -> (loss, sums for the metrics)."""
     with autocast(device, resolved_dtype(cfg)):
         lp, mask, ent = grpo.response_logprobs(model, mb.prompts, mb.responses, pad_id, grad=True,
                                                entropy=cfg.ent_coef > 0)          # [rows, R]
@@ -282,6 +280,8 @@ def micro_loss(model, mb, cfg, pad_id, n_tok, n_skill, world, device, done=0.0):
     old, ref, lp_skill = padded(mb.old), padded(mb.ref), padded(mb.skill_lp)       # [rows, R]
     if old is None:   # one mini-batch: pi_old is exactly the weights of this forward
         old = lp.detach()
+        if keep is not None:
+            keep.extend(grpo.trim(old, [len(r) for r in mb.responses]))
     adv = mb.adv.to(lp.device)                                                     # [rows]
     skill_mask = mb.has_skill.to(lp.device)[:, None] * mask                        # [rows, R]
     pg = grpo.policy_loss(lp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip)   # [rows, R]
@@ -322,13 +322,15 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, show
     `done`: the share of the run's updates done (RLSD's anneal, micro_loss). A mini-batch whose global grad norm
     is not finite is skipped (grads zeroed, no AdamW step, counted in "skipped_steps"); `streak`, a one-item
     list the caller keeps across updates, counts the skips in a row, and MAX_SKIPS of them stop the run
-    with an error naming `update`.
+    with an error naming `update`. Where rows.old is None (one mini-batch), it is set afterwards to the
+    log pi_old of that mini-batch's forward (the per-update diagnostics read it; no extra pass).
     Returns the summed statistics of every micro-batch (summed over ranks) and the finite grad norms."""
     order = list(range(len(rows))) if order is None else list(order)
     n_mb = max(1, math.ceil(all_sum(len(rows)) / cfg.mini_batch_size))
     totals, norms, skipped = {}, [], 0
     streak = [0] if streak is None else streak
     bar = tqdm(total=n_mb, desc="update", disable=not show_bar, leave=False)
+    old = [None] * len(rows) if rows.old is None and n_mb == 1 else None   # pi_old = this forward's
     for part in np.array_split(np.array(order, dtype=np.int64), n_mb):
         part = grpo.by_length(part.tolist(), rows.prompts, rows.responses)   # same gradient, less padding
         mbrows = rows.take(part)
@@ -340,9 +342,12 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, show
         for k, idx in enumerate(micros):
             with grad_sync(model, k == len(micros) - 1):
                 mb = mbrows.take(idx) if idx else rows.take([0])  # filler: a row with zero weight
-                loss, sums = micro_loss(model, mb, cfg, pad_id, max(n_tok, 1.0), n_skill, world, device, done)
+                kept = []
+                loss, sums = micro_loss(model, mb, cfg, pad_id, max(n_tok, 1.0), n_skill, world, device, done, kept)
                 (loss if idx else loss * 0.0).backward()
             if idx:
+                for j, t in zip(idx, kept if old is not None else []):
+                    old[part[j]] = t
                 for key, v in sums.items():
                     totals[key] = totals.get(key, 0.0) + v
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -360,6 +365,8 @@ def update_policy(model, opt, rows, cfg, pad_id, world, device, order=None, show
                                    f"--lr, the data and the dtype)")
         bar.update(1)
     bar.close()
+    if old is not None:
+        rows.old = old
     keys = sorted(totals) or ["tokens"]
     summed = dict(zip(keys, all_sum([totals.get(k, 0.0) for k in keys])))
     summed["skipped_steps"] = float(skipped)   # the same on every rank (the norm is global): not summed

@@ -82,7 +82,7 @@ class SFTConfig:
     fsdp: bool = False                 # FSDP2 instead of DDP under torchrun
     gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
     replay: int = 0                    # CPU testbed: expert tasks whose warm-start pairs join Stage 1's training
-    skill_fraction: float = 0.0        # CPU testbed, --stage warmup: share of the tasks also taught with a skill (not the method)
+    skill_tasks: int = 0               # CPU testbed, --stage warmup: N more tasks taught with their skill in the prompt (not the method)
 
 
 ENV_DEFAULTS = {env: {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(SFTConfig)}}
@@ -105,8 +105,8 @@ def validate(cfg):
         runfolder.fail(f"--skill_mode must be {'|'.join(analyzer.SKILL_MODES)} and --max_step_skills 0 or more")
     if cfg.env == "webshop" and not cfg.analyzer_url:
         runfolder.fail("WebShop has no expert plan for the scripted annotator; pass --analyzer_url/--analyzer_model")
-    if not 0 <= cfg.skill_fraction <= 1 or (cfg.skill_fraction and cfg.stage != "warmup"):
-        runfolder.fail(f"--skill_fraction must be in [0, 1] and is for --stage warmup, got {cfg.skill_fraction}")
+    if cfg.skill_tasks < 0 or (cfg.skill_tasks and cfg.stage != "warmup"):
+        runfolder.fail(f"--skill_tasks must be 0 or more and is for --stage warmup, got {cfg.skill_tasks}")
     if not (0 <= cfg.val_fraction < 1 and 0 <= cfg.warmup_ratio < 1):
         runfolder.fail(f"--val_fraction and --warmup_ratio must be in [0, 1), got {cfg.val_fraction}, {cfg.warmup_ratio}")
 
@@ -374,25 +374,33 @@ def expert_response(env, skill=False):
     return f"<think>{thought}</think><action>{action}</action>"
 
 
-def scripted_skill(env, info, won):
+def scripted_skill(env, info, won, rng):
     """The scripted annotator's skill for the task `env` was just reset on (its expert plan in `info`), written
-    as for a won episode (a workflow) or a failed one (an avoidance rule that ends with the key steps)."""
-    ep = Episode(task_id=0, group_id=0, env=env.name, task=env.task, family=env.family, info=dict(info), won=won)
+    as for a won episode (a workflow) or a failed one (an avoidance rule that ends with the key steps). The failed
+    episode is simulated (1 to max_steps steps, each invalid with probability 1/3, else a random admissible
+    action), so that the rule's problems vary as those of the policy's own failures do."""
+    steps = []
+    for _ in range(0 if won else int(rng.integers(1, env.max_steps + 1))):
+        valid = bool(rng.random() > 1 / 3)
+        action = str(rng.choice(info["admissible"])) if valid else ""
+        steps.append(Step("", [], [], "", [], "", action, valid))
+    ep = Episode(task_id=0, group_id=0, env=env.name, task=env.task, family=env.family, info=dict(info),
+                 steps=steps, won=won)
     return analyzer.scripted_analysis(ep, env.max_steps)["episode_skill"]
 
 
-def expert_examples(cfg, tok, tasks, split="train", skills=None):
+def expert_examples(cfg, tok, tasks, split="train", skills=False):
     """The env's expert plays each task; every step gives one pair (the actor prompt's chat ids, exactly as
     rollout.collect builds them -> the expert's move in the env's response format (expert_response)
     + end of turn). The target is what the env receives, so each step is valid by construction (a test
-    replays them). `skills` (--skill_fraction; the CPU testbed, not the method): one bool per task; True puts
-    the task's scripted skill (scripted_skill, workflow or avoidance form by a seeded coin) in the actor prompt
-    and opens the thought with SKILL_THOUGHT. -> one list of pairs per task ([] where the expert did not win)."""
+    replays them). `skills` (--skill_tasks; the CPU testbed, not the method): True puts each task's scripted
+    skill (scripted_skill, workflow or avoidance form by a seeded coin) in the actor prompt and opens the
+    thought with SKILL_THOUGHT. -> one list of pairs per task ([] where the expert did not win)."""
     env, out = envs.from_config(cfg, split), []
     coin = np.random.default_rng([cfg.seed, 3])
-    for k, t in enumerate(tasks):
+    for t in tasks:
         _, info = env.reset(seed=int(t))
-        skill = scripted_skill(env, info, bool(coin.integers(2))) if skills and skills[k] else None
+        skill = scripted_skill(env, info, bool(coin.integers(2)), coin) if skills else None
         pairs, won, done = [], False, False
         while not done and (target := expert_response(env, bool(skill))) is not None:
             _, ids, _ = rollout._prompt(env, tok, skill, cfg.max_prompt_tokens)
@@ -416,23 +424,21 @@ def warmup(cfg, rank, world, device):
     tok = _tokenizer(cfg.model)
     tasks = draw_tasks(envs.from_config(cfg, "train"), cfg.tasks, np.random.default_rng(cfg.seed))
     per_task = expert_examples(cfg, tok, tasks)
-    if cfg.skill_fraction:   # a seeded share of the tasks is also taught with its skill in the prompt (same split)
-        chosen = np.random.default_rng([cfg.seed, 2]).permutation(len(tasks))[:round(cfg.skill_fraction * len(tasks))]
-        marks = [i in set(chosen.tolist()) for i in range(len(tasks))]
-        with_skill = expert_examples(cfg, tok, tasks, skills=marks)
-        per_task = [p + q if p and m else p for p, q, m in zip(per_task, with_skill, marks)]
+    if cfg.skill_tasks:   # N more tasks (a seeded draw of their own) taught with their skill in the prompt
+        more = draw_tasks(envs.from_config(cfg, "train"), cfg.skill_tasks, np.random.default_rng([cfg.seed, 2]))
+        per_task += expert_examples(cfg, tok, more, skills=True)
     train, val = split_pairs(per_task, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))   # by task
     train, val = [x for t in train for x in t], [x for t in val for x in t]
     if not train:
         runfolder.fail(f"the expert won none of the {len(tasks)} training tasks within --max_steps {cfg.max_steps}")
     if rank == 0:
-        print(f"[warmup] expert won {sum(bool(t) for t in per_task)}/{len(tasks)} tasks: {len(train)} training "
+        print(f"[warmup] expert won {sum(bool(t) for t in per_task)}/{len(per_task)} tasks: {len(train)} training "
               f"and {len(val)} held-out steps", flush=True)
     model, tok, log, val_log = finetune(cfg, train, val, rank, world, device)
     if runfolder.save_model(model, tok, cfg.out, rank):
         with open(os.path.join(cfg.out, "sft_log.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in log)
-        summary = {"config": dataclasses.asdict(cfg), "world_size": world, "tasks": len(tasks),
+        summary = {"config": dataclasses.asdict(cfg), "world_size": world, "tasks": len(per_task),
                    "expert_won": sum(bool(t) for t in per_task), "train_steps": len(train), "val_steps": len(val),
                    "skill_steps": sum(ids_have_skill(tok, x[0]) for x in train + val),
                    "train_loss": [log[0]["loss"], log[-1]["loss"]], "val_loss": val_log, "sec/total": time.time() - t0}

@@ -170,6 +170,23 @@ def pm(xs):
     return f"{np.mean(xs):.3f} ± {np.std(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
 
+# Student's t 0.975 quantile by degrees of freedom (index; 0 unused), then the normal 1.96 past 30
+T975 = [float("nan"), 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
+        2.042, 1.960]
+
+
+def ci95(xs):
+    """'mean ± SE [95% interval]' of paired differences (one per seed): SE = sample std / sqrt(n), the interval
+    Student's t with n - 1 degrees of freedom; '-' without two values."""
+    xs = [x for x in xs if x is not None and not np.isnan(x)]
+    if len(xs) < 2:
+        return "-"
+    m, se = float(np.mean(xs)), float(np.std(xs, ddof=1) / np.sqrt(len(xs)))
+    h = T975[min(len(xs) - 1, len(T975) - 1)] * se
+    return f"{m:+.3f} ± {se:.3f} [{m - h:+.3f}, {m + h:+.3f}]"
+
+
 def table(args, res, cmd):
     """table.md: per algo, held-out success at the start and the end (mean ± std over seeds), area under the
     curve, train episode length and invalid rate, seconds per update; then SEED - other at matched updates."""
@@ -197,8 +214,10 @@ def table(args, res, cmd):
                    f"{pm([last(r['greedy']) for r in runs])} | {pm([area(r['eval']) for r in runs])} | "
                    f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | {pm(sec)} |")
     if "seed" in res and len(res) > 1:
-        out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws), "
-                "at matched updates; mean ± std over the seeds both have:", ""]
+        out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws and "
+                f"held-out tasks), at matched updates; mean ± SE [95% interval] over the seeds both have (a seed's "
+                f"difference averages {args.eval_tasks} tasks x {len(EVAL_SPLITS[args.env])} split(s) x 1 sample; "
+                "SE = sample std / sqrt(seeds), the interval Student's t):", ""]
         others = [a for a in res if a != "seed"]
         xs = sorted(set().union(*[r["eval"] for r in res["seed"]]))
         out += ["| updates done | " + " | ".join(f"SEED - {a}" for a in others) + " |",
@@ -211,7 +230,7 @@ def table(args, res, cmd):
                     d = [area(r["eval"]) - area(o["eval"]) for r, o in pairs]
                 else:
                     d = [r["eval"][x] - o["eval"][x] for r, o in pairs if x in r["eval"] and x in o["eval"]]
-                cells.append(pm(d))
+                cells.append(ci95(d))
             out.append(f"| {x if x != 'AUC' else f'AUC 0-{end}'} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 

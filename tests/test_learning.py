@@ -1,5 +1,6 @@
 """bench/learning.py's bookkeeping, on hand-written metrics lines in seed.py's format (no model): which runs
-count as finished, the area under the held-out curve, and SEED minus GRPO paired by seed at matched updates."""
+count as finished, the area under the held-out curve, and SEED minus GRPO paired by seed at matched updates
+(mean, standard error and Student's t 95% interval)."""
 import json
 import os
 
@@ -37,8 +38,9 @@ def test_table_pairs_seeds_and_stops_at_the_update_every_run_reached(tmp_path, m
     res = learning.report(args, cache, "bench/learning.py ...")
     md = open(tmp_path / "results" / args.name / "table.md").read()
     assert "at 2 (T=0.4)" in md                                      # the last evaluation all runs reached
-    assert "| 2 | 0.150 ± 0.050 |" in md                              # (0.4 - 0.2, 0.3 - 0.2): mean ± std
-    assert "| 0 | 0.000 ± 0.000 |" in md and "| 4 |" not in md
+    # (0.4 - 0.2, 0.3 - 0.2): mean, SE = sample std 0.0707 / sqrt(2), 95% interval 0.15 ± t(1) 12.706 x SE
+    assert "| 2 | +0.150 ± 0.050 [-0.485, +0.785] |" in md
+    assert "| 0 | +0.000 ± 0.000 [+0.000, +0.000] |" in md and "| 4 |" not in md
     assert os.path.getsize(tmp_path / "results" / args.name / "curves.png") > 10_000
     assert [len(r["lines"]) for r in res["grpo"]] == [4, 3]
 

@@ -559,3 +559,24 @@ def test_teacher_diagnostics_in_metrics(tmp_path, monkeypatch):
     eps = [json.loads(x) for x in open(os.path.join(out, "episodes", "update_0000.jsonl"))]
     assert eps and all(e["skill"] == "Add the two card values, then write '='." for e in eps)
     shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
+
+
+def test_one_mini_batch_update_keeps_its_forward_as_pi_old(smol):
+    """With one mini-batch (rows.old None: no old pass), update_policy stores the update's own forward as log
+    pi_old in rows.old, which the per-update diagnostics read instead of a pass of their own: it equals the
+    no-grad pass of the weights before the step, row by row and token by token, in any row order."""
+    import copy
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from dist_update import fixed_rows
+    base, tok = smol
+    model = copy.deepcopy(base)
+    rows = fixed_rows(model, n=5)
+    rows.old = None
+    cfg = seed.Config(algo="seed", micro_batch_size=2, mini_batch_size=8, kl_coef=0.0, ent_coef=0.0, dtype="float32")
+    cpu = torch.device("cpu")
+    expected = grpo.batch_logprobs(model, rows, tok.pad_token_id, cfg, cpu)       # the weights before the step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seed.update_policy(model, opt, rows, cfg, tok.pad_token_id, 1, cpu, order=[3, 0, 4, 1, 2])
+    assert rows.old is not None and len(rows.old) == 5
+    for got, want in zip(rows.old, expected):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)

@@ -46,14 +46,14 @@ def test_warmup_targets_replay_valid_and_win(env_name, split, tasks, tokenizer):
 
 
 def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
-    """--skill_fraction (CPU testbed, not the method): a skill example's prompt is the rollout prompt with the
+    """--skill_tasks (CPU testbed, not the method): a skill example's prompt is the rollout prompt with the
     task's scripted skill inserted, its thought opens with SKILL_THOUGHT and copies the skill's route, and its move
-    is still the expert's."""
+    is still the expert's; both skill forms occur, and the avoidance rules name more than one kind of failure."""
     cfg = sft_config(["--env", "ezpoints", "--max_steps", "5", "--history_length", "0"])
-    tasks = list(range(6))
+    tasks = list(range(12))
     plain = sft.expert_examples(cfg, tokenizer, tasks)
-    skilled = sft.expert_examples(cfg, tokenizer, tasks, skills=[True] * 6)
-    env, forms = envs.from_config(cfg, "train"), set()
+    skilled = sft.expert_examples(cfg, tokenizer, tasks, skills=True)
+    env, forms, rules = envs.from_config(cfg, "train"), set(), set()
     for task, p, q in zip(tasks, plain, skilled):
         _, info = env.reset(seed=task)
         assert len(p) == len(q) > 0
@@ -65,8 +65,12 @@ def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
             a, b = json.loads(tokenizer.decode(sc, skip_special_tokens=True)), json.loads(tokenizer.decode(pc, skip_special_tokens=True))
             assert a["action"] == b["action"] and a["thoughts"].startswith(sft.SKILL_THOUGHT + route + ".")
             assert a["thoughts"].split(". ", 1)[1] == b["thoughts"].split(". ", 1)[1]   # the same formula tracking
-        forms.add("workflow" in tokenizer.decode(q[0][0]))
+        prompt = tokenizer.decode(q[0][0])
+        forms.add("workflow" in prompt)
+        if "Avoid this failure" in prompt:
+            rules.add(prompt.split("Avoid this failure: ")[1].split(". Instead")[0])
     assert forms == {True, False}                                                 # both skill forms occur
+    assert len(rules) > 1                                                         # failures of several kinds
 
 
 def test_warmup_stage_end_to_end(tmp_path):
