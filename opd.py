@@ -151,29 +151,31 @@ def rescore_rows(model, tokenizer, steps, skills, cfg, device):
 
 @torch.no_grad()
 def shift_samples(lp, lp_skill, action, thought, adv, beta=5.0):
-    """The teacher's shift on the student's own sampled tokens, per row: delta = lp_skill - lp on the action
-    tokens and on the thought tokens (envs.response_masks), and, for each row with action tokens, its mean
-    action-token gate with its GRPO advantage. lp, lp_skill: one 1-D tensor per row; action, thought: one bool
-    list per row; adv: one float per row. -> {"action": [delta], "thought": [delta], "rows": [(gate, adv)]},
-    plain floats (so that ranks can gather them)."""
-    out = {"action": [], "thought": [], "rows": []}
+    """The teacher's shift on the student's own sampled tokens, per row: delta = lp_skill - lp on every response
+    token, on the action tokens and on the thought tokens (envs.response_masks), and each row's mean gate over its
+    response tokens (the tokens Eq. 7's loss weights) with its GRPO advantage. lp, lp_skill: one 1-D tensor per
+    row; action, thought: one bool list per row; adv: one float per row. -> {"response": [delta], "action":
+    [delta], "thought": [delta], "rows": [(gate, adv)]}, plain floats (so that ranks can gather them)."""
+    out = {"response": [], "action": [], "thought": [], "rows": []}
     for p, s, am, tm, a in zip(lp, lp_skill, action, thought, adv):
         d = s.detach().float().cpu() - p.detach().float().cpu()                   # [tokens]
         am, tm = torch.tensor(am, dtype=torch.bool), torch.tensor(tm, dtype=torch.bool)
+        out["response"] += d.tolist()
         out["action"] += d[am].tolist()
         out["thought"] += d[tm].tolist()
-        if am.any():
-            g = gates(d[am], torch.zeros_like(d[am]), beta)                        # [action tokens]
-            out["rows"].append((float(g.mean()), float(a)))
+        if len(d):
+            out["rows"].append((float(gates(d, torch.zeros_like(d), beta).mean()), float(a)))
     return out
 
 
 def shift_metrics(samples, beta=5.0, big=0.5):
-    """shift_samples (merged over ranks) -> delta_{action,thought}_{p5,p50,p95,mean}; gate_std_action (the std
-    of g = sigmoid(beta delta) over action tokens: 0 when the skill changes nothing); action_shift_share (share
-    of action tokens with |delta| > big); gate_adv_cov (covariance over rows of the mean action-token gate and
-    the advantage: > 0 when the teacher favours what won, the sample form of Eq. 8); action_tokens. nan where
-    there is nothing to measure."""
+    """shift_samples (merged over ranks) -> delta_{action,thought}_{p5,p50,p95,mean}; gate_std_{action,response}
+    (the std of g = sigmoid(beta delta) over action tokens, and over every response token: 0 when the skill
+    changes nothing); action_shift_share (share of action tokens with |delta| > big); gate_adv_cov (covariance
+    over rows of the row's mean gate and its advantage: > 0 when the teacher favours what won, the sample form of
+    Eq. 8); action_tokens. nan where there is nothing to measure. Where the env's thought already names the move
+    (EZPoints: "... so the next token is 8"), the action token is a copy and its delta is ~0 whatever the skill
+    does: the skill's effect sits on the thought, and gate_std_response sees it."""
     nan = float("nan")
     out = {}
     for part in ("action", "thought"):
@@ -181,9 +183,10 @@ def shift_metrics(samples, beta=5.0, big=0.5):
         q = torch.quantile(d, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)).tolist() if len(d) else [nan] * 3
         out |= {f"delta_{part}_p5": q[0], f"delta_{part}_p50": q[1], f"delta_{part}_p95": q[2],
                 f"delta_{part}_mean": float(d.mean()) if len(d) else nan}
+    for part in ("action", "response"):
+        g = torch.sigmoid(beta * torch.tensor(samples.get(part, []), dtype=torch.float64))   # [tokens]
+        out[f"gate_std_{part}"] = float(g.std(unbiased=False)) if len(g) else nan
     d = torch.tensor(samples["action"], dtype=torch.float64)                       # [action tokens]
-    g = torch.sigmoid(beta * d)                                                    # [action tokens]
-    out["gate_std_action"] = float(g.std(unbiased=False)) if len(d) else nan
     out["action_shift_share"] = float((d.abs() > big).double().mean()) if len(d) else nan
     rows = torch.tensor(samples["rows"], dtype=torch.float64).reshape(-1, 2)       # [rows, (gate, adv)]
     dev = rows - rows.mean(0) if len(rows) else rows                               # [rows, 2]

@@ -170,6 +170,7 @@ def plot_curves(run_dir, lines):
     for k, style in (("diag/delta_action_p5", "v:"), ("diag/delta_action_p50", "o-"), ("diag/delta_action_p95", "^:")):
         ax[0, 3].plot(u, col(k), style, label=k.split("_")[-1])
     ax[0, 3].plot(u, col("diag/gate_std_action"), "s--", label="gate std")
+    ax[0, 3].plot(u, col("diag/gate_std_response"), "d--", label="gate std, all response tokens")
     ax[0, 3].set(title="teacher shift on action tokens (lp_skill - lp)", xlabel="update")
     ax[0, 3].legend(fontsize=8)
     ax[1, 3].plot(u, col("diag/tied_groups"), "o-", label="tied groups (share)")

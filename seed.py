@@ -236,8 +236,8 @@ def teacher_diagnostics(run, rows, steps, skills, groups):
     zero there) and, where the teacher is scored (RESCORE algos), opd.shift_metrics of lp_skill against the
     snapshot's lp = log pi_old on the skill rows (rows.old: the no-grad pass of several mini-batches, or the
     one mini-batch's own forward, kept by update_policy), under "diag/": delta percentiles on action and
-    thought tokens, the gate's std on action tokens, the share of action tokens with |delta| > 0.5, and the
-    gate-advantage covariance."""
+    thought tokens, the gate's std on action tokens and on all response tokens, the share of action tokens with
+    |delta| > 0.5, and the gate-advantage covariance."""
     cfg = run.cfg
     tied, n = all_sum(list(grpo.tied_groups(rows.adv, groups)))
     out = {"diag/tied_groups": tied / n if n else float("nan")}

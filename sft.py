@@ -349,28 +349,21 @@ EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env
 }
 
 
-SKILL_THOUGHT = "Following the skill: "   # opens the thought of a warm-start target whose prompt has a skill
-# EZPoints with a skill: the thought copies the skill's route (the scripted skill's "4 -> + -> 8 -> =") in place of
-# the solution the plain thought computes, then tracks the formula so far: reading the skill becomes copying it
-SKILL_ROUTE = "{route}. " + EZ_TRACK
-
-
-def expert_response(env, skill=False):
+def expert_response(env):
     """The expert's next action (env.expert_action) as a response in the env's format, after a short thought
     (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so that the action is the solution's
-    next token; with `skill`, the thought opens with SKILL_THOUGHT, and EZPoints' then copies the skill's route,
-    SKILL_ROUTE, in place of the solution): EZPoints a JSON object {"thoughts",
-    "action"} (the authors' gym_cards format), the others <think>...</think><action>...</action>. None when the
-    expert has no move here."""
+    next token): EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
+    <think>...</think><action>...</action>. None when the expert has no move here. A warm-start example with a
+    skill in its prompt (--skill_tasks) has this same target: the teacher and the student write one kind of
+    response, so that lp_skill - lp measures what the skill changes in it, not a change of style."""
     action = env.expert_action()
     if action is None:
         return None
     if env.name == "ezpoints":
         solution, formula = env.expert_formula(), " ".join(env.formula) or "empty"
-        thought = (SKILL_THOUGHT + SKILL_ROUTE.format(route=" -> ".join(solution + ["="]), formula=formula, action=action)
-                   if skill else EXPERT_THOUGHTS["ezpoints"].format(solution=" ".join(solution), action=action, formula=formula))
+        thought = EXPERT_THOUGHTS["ezpoints"].format(solution=" ".join(solution), action=action, formula=formula)
         return json.dumps({"thoughts": thought, "action": action})
-    thought = (SKILL_THOUGHT if skill else "") + EXPERT_THOUGHTS[env.name].format(action=action)
+    thought = EXPERT_THOUGHTS[env.name].format(action=action)
     return f"<think>{thought}</think><action>{action}</action>"
 
 
@@ -394,15 +387,15 @@ def expert_examples(cfg, tok, tasks, split="train", skills=False):
     rollout.collect builds them -> the expert's move in the env's response format (expert_response)
     + end of turn). The target is what the env receives, so each step is valid by construction (a test
     replays them). `skills` (--skill_tasks; the CPU testbed, not the method): True puts each task's scripted
-    skill (scripted_skill, workflow or avoidance form by a seeded coin) in the actor prompt and opens the
-    thought with SKILL_THOUGHT. -> one list of pairs per task ([] where the expert did not win)."""
+    skill (scripted_skill, workflow or avoidance form by a seeded coin) in the actor prompt, with the same
+    target. -> one list of pairs per task ([] where the expert did not win)."""
     env, out = envs.from_config(cfg, split), []
     coin = np.random.default_rng([cfg.seed, 3])
     for t in tasks:
         _, info = env.reset(seed=int(t))
         skill = scripted_skill(env, info, bool(coin.integers(2)), coin) if skills else None
         pairs, won, done = [], False, False
-        while not done and (target := expert_response(env, bool(skill))) is not None:
+        while not done and (target := expert_response(env)) is not None:
             _, ids, _ = rollout._prompt(env, tok, skill, cfg.max_prompt_tokens)
             pairs.append((ids, tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
             _, _, terminated, truncated, info = env.step(target)

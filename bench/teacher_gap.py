@@ -9,15 +9,19 @@ From one checkpoint, on the first --tasks tasks of --split, --group_size samples
     (c) oracle    envs with an expert: the same with the scripted annotator's skill (analyzer.scripted_analysis),
                   which separates "cannot read a skill" from "writes useless skills"
     (d) shift     teacher-forced on (a)'s own sampled responses: delta = lp_skill - lp on action and thought
-                  tokens (envs.response_masks), the gate's std on action tokens (beta_opd), the share of action
-                  tokens with |delta| > 0.5, and cov(row's mean action-token gate, its GRPO advantage);
+                  tokens (envs.response_masks), the gate's std (beta_opd) on action tokens and on all response
+                  tokens, the share of action tokens with |delta| > 0.5, and cov(row's mean gate, its GRPO
+                  advantage);
                   on a seeded sample of --shift_rows step rows (a CPU forward per row and context is slow);
                   each row under the teacher context Stage 2 re-scores it with (opd.row_teachers: by
                   --skill_mode and --skill_teacher_mode, a step's own critical-step skill first)
 
 Gaps are paired over tasks: d_t = success_b(t) - success_a(t), gap = mean d_t, SE = std(d_t) / sqrt(tasks).
-Verdict: "OPD has a signal" when the own-skill gap - 2 SE > 0 AND the gate's std on action tokens is at
-least --min_gate_std (0.1: runs whose teacher changed nothing measured 0.04-0.08); else "OPD has no signal".
+Verdict: "OPD has a signal" when the own-skill gap - 2 SE > 0 AND the gate's std over all response tokens
+(the tokens Eq. 7 weights) is at least --min_gate_std (0.1: runs whose teacher changed nothing measured
+0.04-0.08); else "OPD has no signal". The rule reads all response tokens, not only the action's: where the
+thought already names the move (EZPoints: "... so the next token is 8"), the action token is a copy whose
+delta is ~0 whatever the skill does.
 The flags are seed.py's (engine, dtype, max_tokens, max_steps, history_length, temperature, analyzer_*).
 
     python bench/teacher_gap.py --env ezpoints --init runs/demo-sft --tasks 64 --split test \\
@@ -54,7 +58,7 @@ class GapConfig(seed.Config):
     tasks: int = 64                    # N: the first N tasks of --split (the ids seed.py evaluates)
     split: str = ""                    # task split ("" = the env's first held-out split, envs.EVAL_SPLITS)
     group_size: int = 4                # samples per task (>= 2: the GRPO advantage of the covariance needs a group)
-    min_gate_std: float = 0.1          # the verdict's threshold on the gate's std over action tokens
+    min_gate_std: float = 0.1          # the verdict's threshold on the gate's std over response tokens
     shift_rows: int = 256              # (d) on a seeded sample of this many step rows (0 = all; each costs 3 forwards)
 
 
@@ -151,7 +155,7 @@ def measure(engine, model, tok, cfg, progress=False):
         b = per_task(eps, n, G)
         res[name], res["per_task"][name] = float(b.mean()), b.tolist()
         res[f"gap_{name}"], res[f"se_{name}"] = paired_gap(b, a)
-    res["signal"] = bool(res["gap_own"] - 2 * res["se_own"] > 0 and shifts.get("own", {}).get("gate_std_action", 0) >= cfg.min_gate_std)
+    res["signal"] = bool(res["gap_own"] - 2 * res["se_own"] > 0 and shifts.get("own", {}).get("gate_std_response", 0) >= cfg.min_gate_std)
     res["verdict"] = verdict(res, cfg)
     res["sec"] = {k.split("/")[-1]: v for k, v in sec.items()} | {"total": sum(sec.values())}
     return res, student
@@ -159,8 +163,8 @@ def measure(engine, model, tok, cfg, progress=False):
 
 def verdict(res, cfg):
     g, se = res["gap_own"], res["se_own"]
-    std = res["shift"].get("own", {}).get("gate_std_action", float("nan"))
-    return (f"teacher gap (own skill) {g:+.3f} +- {se:.3f} (SE over {res['tasks']} tasks), gate std on action "
+    std = res["shift"].get("own", {}).get("gate_std_response", float("nan"))
+    return (f"teacher gap (own skill) {g:+.3f} +- {se:.3f} (SE over {res['tasks']} tasks), gate std on response "
             f"tokens {std:.3f}: OPD has {'a' if res['signal'] else 'no'} signal "
             f"(rule: gap - 2 SE > 0 and gate std >= {cfg.min_gate_std:g})")
 
@@ -185,6 +189,7 @@ def table(res, cfg):
                      ("delta_thought_p5", "delta thought p5"), ("delta_thought_p50", "delta thought p50"),
                      ("delta_thought_p95", "delta thought p95"), ("delta_thought_mean", "delta thought mean"),
                      ("gate_std_action", f"gate std, action (beta {cfg.beta_opd:g})"),
+                     ("gate_std_response", "gate std, all response tokens"),
                      ("action_shift_share", "share |delta| > 0.5, action"),
                      ("gate_adv_cov", "cov(row gate, advantage)")):
         lines.append(f"    {label:34s}" + "".join(f"{f(res['shift'][n][k]):>12s}" for n in names))

@@ -553,7 +553,7 @@ def test_teacher_diagnostics_in_metrics(tmp_path, monkeypatch):
     m = lines(out)[0]
     assert 0 <= m["diag/tied_groups"] <= 1 and m["diag/action_tokens"] > 0
     assert m["diag/delta_action_p5"] <= m["diag/delta_action_p50"] <= m["diag/delta_action_p95"]
-    assert m["diag/gate_std_action"] > 0 and 0 <= m["diag/action_shift_share"] <= 1
+    assert m["diag/gate_std_action"] > 0 and m["diag/gate_std_response"] > 0 and 0 <= m["diag/action_shift_share"] <= 1
     assert m["diag/gate_adv_cov"] is None or math.isfinite(m["diag/gate_adv_cov"])
     assert all(k in m for k in ("diag/delta_thought_p50", "diag/delta_action_mean", "sec/diagnostics"))
     eps = [json.loads(x) for x in open(os.path.join(out, "episodes", "update_0000.jsonl"))]

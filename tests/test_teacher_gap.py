@@ -92,6 +92,7 @@ def test_a_skill_reading_policy_has_a_positive_gap(tokenizer, tiny_model):
     for name in ("own", "oracle"):
         s = res["shift"][name]
         assert s["action_tokens"] > 0 and s["gate_std_action"] > 0               # another context, other log-probs
+        assert s["gate_std_response"] > 0
         assert 0 <= s["action_shift_share"] <= 1 and s["delta_action_p5"] <= s["delta_action_p50"] <= s["delta_action_p95"]
     assert 0 <= res["tied_groups"] <= 1
     text = teacher_gap.table(res, cfg)
@@ -106,7 +107,7 @@ def test_a_skill_that_changes_nothing_has_no_signal(tokenizer, tiny_model, monke
         s = res["shift"][name]
         assert s["action_tokens"] > 0 and s["rows"] > 0
         for k in ("delta_action_p5", "delta_action_p50", "delta_action_p95", "delta_action_mean", "delta_thought_p50",
-                  "gate_std_action", "action_shift_share", "gate_adv_cov"):
+                  "gate_std_action", "gate_std_response", "action_shift_share", "gate_adv_cov"):
             assert s[k] == 0.0, (name, k, s[k])
     assert not res["signal"] and "OPD has no signal" in res["verdict"]
     few, _ = teacher_gap.measure(SkillReader(tokenizer, seed=1), tiny_model, tokenizer, config("--shift_rows", "3"))
