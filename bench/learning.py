@@ -56,6 +56,9 @@ def parse_args(argv):
     ap.add_argument("--stage1", default="", help="Stage-1 checkpoint ('' = build it from the warm start)")
     ap.add_argument("--warmup_tasks", type=int, default=53, help="solver episodes of the warm start (10%% held out)")
     ap.add_argument("--warmup_lr", type=float, default=2e-4)
+    ap.add_argument("--warmup_skill_tasks", type=int, default=0,
+                    help="more warm-start tasks taught with their scripted skill in the prompt (sft.py --skill_tasks; "
+                         "the teacher-gap testbed, not the method)")
     ap.add_argument("--stage1_tasks", type=int, default=16, help="Stage-1 tasks (M), K0 = --stage1_k0")
     ap.add_argument("--stage1_k0", type=int, default=2)
     ap.add_argument("--stage1_lr", type=float, default=2e-4)
@@ -86,7 +89,8 @@ def checkpoints(args, cache, warm, stage1):
         if not args.warmup and not os.path.isfile(os.path.join(warm, "warmup.json")):
             common.run_py(["sft.py", "--stage", "warmup", *common_env, "--out", warm, "--tasks", str(args.warmup_tasks),
                            "--val_fraction", "0.1", "--epochs", "1", "--lr", str(args.warmup_lr), "--batch_size", "8",
-                           "--micro_batch_size", "4"], os.path.join(cache, "warmup.log"), "learning")
+                           "--micro_batch_size", "4", "--skill_tasks", str(args.warmup_skill_tasks)],
+                          os.path.join(cache, "warmup.log"), "learning")
         common.run_py(["sft.py", *common_env, "--model", warm, "--out", stage1, "--tasks", str(args.stage1_tasks),
                        "--k0", str(args.stage1_k0), "--epochs", "2", "--lr", str(args.stage1_lr), "--batch_size", "8",
                        "--replay", str(args.stage1_replay),
@@ -163,6 +167,13 @@ def collect(args, cache):
     return out
 
 
+def mean_of(lines, key):
+    """Mean of metrics.jsonl's `key` over the lines that hold a number for it (nan where none does: diag/gate_*
+    only where a teacher is scored)."""
+    xs = [m[key] for m in lines if isinstance(m.get(key), (int, float)) and not np.isnan(m[key])]
+    return float(np.mean(xs)) if xs else float("nan")
+
+
 def pm(xs):
     xs = [x for x in xs if x is not None and not np.isnan(x)]
     if not xs:
@@ -204,15 +215,16 @@ def table(args, res, cmd):
            f"every {args.eval_every} updates; mean ± std over seeds (population std).", "",
            f"| algo | seeds | updates done | held-out success at 0 (T=0.4) | at {end} (T=0.4) | greedy at 0 | "
            f"greedy at {end} | AUC 0-{end} (T=0.4) | train success | train episode length | train invalid rate | "
-           "s / update (no eval) |", "|" + "---|" * 12]
+           "tied groups | gate std, response tokens | s / update (no eval) |", "|" + "---|" * 14]
     for algo, runs in res.items():
         done = [len(r["lines"]) for r in runs]
         sec = [np.mean([m["sec/total"] - m.get("sec/eval", 0.0) for m in r["lines"]]) for r in runs]
-        per = lambda key: [np.mean([m[key] for m in r["lines"]]) for r in runs]
+        per = lambda key: [mean_of(r["lines"], key) for r in runs]
         out.append(f"| {algo} | {len(runs)} | {min(done)}-{max(done)} | {pm([first(r['eval']) for r in runs])} | "
                    f"{pm([last(r['eval']) for r in runs])} | {pm([first(r['greedy']) for r in runs])} | "
                    f"{pm([last(r['greedy']) for r in runs])} | {pm([area(r['eval']) for r in runs])} | "
-                   f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | {pm(sec)} |")
+                   f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | "
+                   f"{pm(per('diag/tied_groups'))} | {pm(per('diag/gate_std_response'))} | {pm(sec)} |")
     if "seed" in res and len(res) > 1:
         out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws and "
                 f"held-out tasks), at matched updates; mean ± SE [95% interval] over the seeds both have (a seed's "
@@ -297,6 +309,8 @@ def main(argv=None):
         shared = seed_argv(args, stage1, extra)
         built = {k: getattr(args, k) for k in ("warmup_tasks", "warmup_lr", "stage1_tasks", "stage1_k0", "stage1_lr",
                                                "stage1_replay")}   # the config name does not hold these
+        if args.warmup_skill_tasks:   # (a key only where set: the caches made before it still match)
+            built["warmup_skill_tasks"] = args.warmup_skill_tasks
         saved = os.path.join(cache, "bench_config.json")
         old = json.load(open(saved)) if os.path.exists(saved) else {}
         if old and (old["seed_argv"] != shared or old.get("checkpoint_flags", built) != built):

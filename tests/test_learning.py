@@ -13,7 +13,8 @@ def write_run(folder, updates, evals):
     os.makedirs(folder, exist_ok=True)
     lines = [{"update": -1, "eval/test/success": evals[0], "eval_greedy/test/success": evals[0]}]
     for u in range(updates):
-        m = {"update": u, "success": 0.5, "length": 4.0, "invalid_rate": 0.1, "sec/total": 12.0}
+        m = {"update": u, "success": 0.5, "length": 4.0, "invalid_rate": 0.1, "sec/total": 12.0,
+             "diag/tied_groups": 0.25} | ({"diag/gate_std_response": 0.2} if "seed-" in folder else {})
         if u + 1 in evals:
             m |= {"eval/test/success": evals[u + 1], "eval_greedy/test/success": evals[u + 1], "sec/eval": 2.0}
         lines.append(m)
@@ -41,6 +42,7 @@ def test_table_pairs_seeds_and_stops_at_the_update_every_run_reached(tmp_path, m
     # (0.4 - 0.2, 0.3 - 0.2): mean, SE = sample std 0.0707 / sqrt(2), 95% interval 0.15 ± t(1) 12.706 x SE
     assert "| 2 | +0.150 ± 0.050 [-0.485, +0.785] |" in md
     assert "| 0 | +0.000 ± 0.000 [+0.000, +0.000] |" in md and "| 4 |" not in md
+    assert "| 0.250 ± 0.000 | 0.200 ± 0.000 |" in md and "| 0.250 ± 0.000 | - |" in md   # ties; gate std where scored
     assert os.path.getsize(tmp_path / "results" / args.name / "curves.png") > 10_000
     assert [len(r["lines"]) for r in res["grpo"]] == [4, 3]
 
