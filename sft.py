@@ -82,7 +82,7 @@ class SFTConfig:
     fsdp: bool = False                 # FSDP2 instead of DDP under torchrun
     gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
     replay: int = 0                    # CPU testbed: expert tasks whose warm-start pairs join Stage 1's training
-    skill_tasks: int = 0               # CPU testbed, --stage warmup: N more tasks taught with their skill in the prompt (not the method)
+    skill_tasks: int = 0               # CPU testbed: N more expert tasks taught with their skill in the prompt (warm start, or Stage 1 beside --replay; not the method)
 
 
 ENV_DEFAULTS = {env: {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(SFTConfig)}}
@@ -97,16 +97,17 @@ def validate(cfg):
                                  "annotate_batch", "analyzer_max_tokens", "analyzer_max_prompt_tokens"))
     if cfg.stage not in ("analyzer", "warmup"):
         runfolder.fail(f"unknown --stage {cfg.stage!r}; choose analyzer or warmup")
-    if (cfg.stage == "warmup" or cfg.replay) and cfg.env not in EXPERT_THOUGHTS:
-        runfolder.fail(f"--stage warmup (and --replay) needs an env with an expert: {', '.join(EXPERT_THOUGHTS)}")
+    if (cfg.stage == "warmup" or cfg.replay or cfg.skill_tasks) and cfg.env not in EXPERT_THOUGHTS:
+        runfolder.fail(f"--stage warmup (and --replay, --skill_tasks) needs an env with an expert: "
+                       f"{', '.join(EXPERT_THOUGHTS)}")
     if bool(cfg.analyzer_url) != bool(cfg.analyzer_model):
         runfolder.fail("the external analyzer needs both --analyzer_url and --analyzer_model")
     if cfg.skill_mode not in analyzer.SKILL_MODES or cfg.max_step_skills < 0:
         runfolder.fail(f"--skill_mode must be {'|'.join(analyzer.SKILL_MODES)} and --max_step_skills 0 or more")
     if cfg.env == "webshop" and not cfg.analyzer_url:
         runfolder.fail("WebShop has no expert plan for the scripted annotator; pass --analyzer_url/--analyzer_model")
-    if cfg.skill_tasks < 0 or (cfg.skill_tasks and cfg.stage != "warmup"):
-        runfolder.fail(f"--skill_tasks must be 0 or more and is for --stage warmup, got {cfg.skill_tasks}")
+    if cfg.skill_tasks < 0 or cfg.replay < 0:
+        runfolder.fail(f"--skill_tasks and --replay must be 0 or more, got {cfg.skill_tasks}, {cfg.replay}")
     if not (0 <= cfg.val_fraction < 1 and 0 <= cfg.warmup_ratio < 1):
         runfolder.fail(f"--val_fraction and --warmup_ratio must be in [0, 1), got {cfg.val_fraction}, {cfg.warmup_ratio}")
 
@@ -470,6 +471,13 @@ def main(argv=None):
         train = train + replay
         if rank == 0:
             print(f"[sft] replay: {len(replay)} expert steps of {cfg.replay} tasks join the training pairs", flush=True)
+    if cfg.skill_tasks:   # keeps skill-following alive through Stage 1 (the CPU testbed, not the method)
+        more = draw_tasks(probe, cfg.skill_tasks, np.random.default_rng([cfg.seed, 5]))
+        taught = [x for t in expert_examples(cfg, tok, more, skills=True) for x in t]
+        train = train + taught
+        if rank == 0:
+            print(f"[sft] skill replay: {len(taught)} expert steps of {cfg.skill_tasks} tasks with their skill "
+                  f"in the prompt join the training pairs", flush=True)
     if rank == 0:
         print(f"[sft] {len(episodes)} episodes (success {np.mean([e.won for e in episodes.values()]):.2f}), "
               f"{sum(v is not None for v in labels.values())} labels kept, {len(train)} training and "

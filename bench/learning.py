@@ -63,6 +63,9 @@ def parse_args(argv):
     ap.add_argument("--stage1_k0", type=int, default=2)
     ap.add_argument("--stage1_lr", type=float, default=2e-4)
     ap.add_argument("--stage1_replay", type=int, default=16, help="expert tasks replayed in Stage 1 (sft.py --replay)")
+    ap.add_argument("--stage1_skill_tasks", type=int, default=0,
+                    help="expert tasks with their scripted skill in the prompt joining Stage 1 (sft.py --skill_tasks; "
+                         "the teacher-gap testbed, not the method)")
     ap.add_argument("--engine", default="vllm")
     ap.add_argument("--name", default="", help="config name ('' = from the env and sizes)")
     ap.add_argument("--report_only", action="store_true", help="only write the table and plot")
@@ -93,8 +96,9 @@ def checkpoints(args, cache, warm, stage1):
                           os.path.join(cache, "warmup.log"), "learning")
         common.run_py(["sft.py", *common_env, "--model", warm, "--out", stage1, "--tasks", str(args.stage1_tasks),
                        "--k0", str(args.stage1_k0), "--epochs", "2", "--lr", str(args.stage1_lr), "--batch_size", "8",
-                       "--replay", str(args.stage1_replay),
-                       "--micro_batch_size", "2"], os.path.join(cache, "stage1.log"), "learning")
+                       "--replay", str(args.stage1_replay), "--skill_tasks", str(args.stage1_skill_tasks),
+                       "--micro_batch_size", "2", "--analyzer_max_tokens", str(args.analyzer_max_tokens)],
+                      os.path.join(cache, "stage1.log"), "learning")
 
 
 def seed_argv(args, stage1, extra):
@@ -309,8 +313,9 @@ def main(argv=None):
         shared = seed_argv(args, stage1, extra)
         built = {k: getattr(args, k) for k in ("warmup_tasks", "warmup_lr", "stage1_tasks", "stage1_k0", "stage1_lr",
                                                "stage1_replay")}   # the config name does not hold these
-        if args.warmup_skill_tasks:   # (a key only where set: the caches made before it still match)
-            built["warmup_skill_tasks"] = args.warmup_skill_tasks
+        for k in ("warmup_skill_tasks", "stage1_skill_tasks"):   # (keys only where set: older caches still match)
+            if getattr(args, k):
+                built[k] = getattr(args, k)
         saved = os.path.join(cache, "bench_config.json")
         old = json.load(open(saved)) if os.path.exists(saved) else {}
         if old and (old["seed_argv"] != shared or old.get("checkpoint_flags", built) != built):

@@ -92,7 +92,9 @@ def test_warmup_stage_end_to_end(tmp_path):
 
 def test_warmup_bad_flags_stop_at_start_up(capsys):
     for flags, words in ((["--env", "sokoban", "--stage", "bc"], "unknown --stage"),
-                         (["--stage", "warmup", "--env", "search"], "needs an env with an expert")):
+                         (["--stage", "warmup", "--env", "search"], "needs an env with an expert"),
+                         (["--env", "search", "--skill_tasks", "4"], "needs an env with an expert"),
+                         (["--env", "ezpoints", "--skill_tasks", "-1"], "must be 0 or more")):
         with pytest.raises(SystemExit):
             sft.validate(sft_config(flags))
         assert words in capsys.readouterr().err
