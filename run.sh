@@ -66,14 +66,14 @@ demo() {
   fi
   if [ ! -f runs/demo-sft/stage1.json ]; then
     echo "[demo] Stage 1: the warm-started policy plays, scripted analyses, fine-tune the analyzer" \
-      "(with the solver's formulas on 2 more card pairs, so that the action format survives)" >&2
+      "(with the solver's formulas on 4 more card pairs, so that the action format survives)" >&2
     "$PY" sft.py "${sizes[@]}" --model runs/demo-warmup --out runs/demo-sft --tasks 4 --k0 2 \
-      --analyzer_max_tokens 256 --epochs 2 --lr 2e-4 --batch_size 8 --micro_batch_size 2 --replay 2
+      --analyzer_max_tokens 256 --epochs 2 --lr 2e-4 --batch_size 8 --micro_batch_size 2 --replay 4
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out card pairs before and after" >&2
   "$PY" seed.py "${sizes[@]}" --init runs/demo-sft --algo seed --out runs/demo-seed --resume --updates 2 \
     --tasks_per_update 2 --group_size 4 --analyzer_max_tokens 256 --lr 1e-5 --kl_coef 0 \
-    --eval_first --eval_every 2 --eval_tasks 32 --save_every 1 "$@"
+    --eval_first --eval_every 2 --eval_tasks 24 --save_every 1 "$@"
   echo
   echo "[demo] finished in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
   "$PY" - <<'PY'
@@ -82,7 +82,7 @@ lines = [json.loads(x) for x in open("runs/demo-seed/metrics.jsonl") if x.strip(
 ev = [m for m in lines if "eval/test/success" in m]
 if len(ev) >= 2:
     a, b = ev[0], ev[-1]
-    print(f"[demo] held-out (32 card pairs, T=0.4): success {a['eval/test/success']:.3f} -> {b['eval/test/success']:.3f}, "
+    print(f"[demo] held-out (24 card pairs, T=0.4): success {a['eval/test/success']:.3f} -> {b['eval/test/success']:.3f}, "
           f"reward {a['eval/test/reward']:.2f} -> {b['eval/test/reward']:.2f}, "
           f"valid actions {1 - a['eval/test/invalid_rate']:.3f} -> {1 - b['eval/test/invalid_rate']:.3f}, "
           f"episode length {a['eval/test/length']:.2f} -> {b['eval/test/length']:.2f} "
