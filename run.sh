@@ -68,7 +68,7 @@ demo() {
     echo "[demo] Stage 1: the warm-started policy plays, scripted analyses, fine-tune the analyzer" \
       "(with the solver's formulas on 4 more card pairs, so that the action format survives)" >&2
     "$PY" sft.py "${sizes[@]}" --model runs/demo-warmup --out runs/demo-sft --tasks 4 --k0 2 \
-      --analyzer_max_tokens 256 --epochs 2 --lr 2e-4 --batch_size 8 --micro_batch_size 2 --replay 4
+      --analyzer_max_tokens 256 --epochs 1 --lr 2e-4 --batch_size 4 --micro_batch_size 2 --replay 4
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out card pairs before and after" >&2
   "$PY" seed.py "${sizes[@]}" --init runs/demo-sft --algo seed --out runs/demo-seed --resume --updates 2 \
