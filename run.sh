@@ -80,9 +80,10 @@ demo() {
 import json
 lines = [json.loads(x) for x in open("runs/demo-seed/metrics.jsonl") if x.strip()]
 ev = [m for m in lines if "eval/test/success" in m]
+cfg = json.load(open("runs/demo-seed/config.json"))
 if len(ev) >= 2:
     a, b = ev[0], ev[-1]
-    print(f"[demo] held-out (24 card pairs, T=0.4): success {a['eval/test/success']:.3f} -> {b['eval/test/success']:.3f}, "
+    print(f"[demo] held-out ({cfg['eval_tasks']} card pairs, T={cfg['eval_temperature']}): success {a['eval/test/success']:.3f} -> {b['eval/test/success']:.3f}, "
           f"reward {a['eval/test/reward']:.2f} -> {b['eval/test/reward']:.2f}, "
           f"valid actions {1 - a['eval/test/invalid_rate']:.3f} -> {1 - b['eval/test/invalid_rate']:.3f}, "
           f"episode length {a['eval/test/length']:.2f} -> {b['eval/test/length']:.2f} "
