@@ -350,14 +350,14 @@ EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env
 }
 
 
-def expert_response(env):
-    """The expert's next action (env.expert_action) as a response in the env's format, after a short thought
-    (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so that the action is the solution's
+def expert_response(env, action=None):
+    """The expert's next action (env.expert_action, or `action` where given) as a response in the env's format,
+    after a short thought (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so that the action is the solution's
     next token): EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
     <think>...</think><action>...</action>. None when the expert has no move here. A warm-start example with a
     skill in its prompt (--skill_tasks) has this same target: the teacher and the student write one kind of
     response, so that lp_skill - lp measures what the skill changes in it, not a change of style."""
-    action = env.expert_action()
+    action = action or env.expert_action()
     if action is None:
         return None
     if env.name == "ezpoints":
@@ -383,20 +383,42 @@ def scripted_skill(env, info, won, rng):
     return analyzer.scripted_analysis(ep, env.max_steps)["episode_skill"]
 
 
+def search_actions(env, route, rng):
+    """A hidden-object room's plain demonstration (envs/alfworld_gen.py --hidden; the CPU testbed): a searcher
+    who does not know where the object is goes to the room's receptacles in a seeded random order (the goal's
+    excluded), opening the closed ones, until the object is in reach; then the stored direct `route` from its
+    take on. A generator: each next() reads the env as the previous action left it."""
+    take = next(i for i, a in enumerate(route) if a.startswith("take "))
+    goal = route[take + 1].removeprefix("go to ") if take + 1 < len(route) else None
+    spots = [a.removeprefix("go to ") for a in env.admissible if a.startswith("go to ")]
+    for where in rng.permutation([w for w in spots if w != goal]):
+        yield f"go to {where}"
+        if f"open {where}" in env.admissible:
+            yield f"open {where}"
+        if route[take] in env.admissible:
+            break
+    yield from route[take:]
+
+
 def expert_examples(cfg, tok, tasks, split="train", skills=False):
     """The env's expert plays each task; every step gives one pair (the actor prompt's chat ids, exactly as
     rollout.collect builds them -> the expert's move in the env's response format (expert_response)
     + end of turn). The target is what the env receives, so each step is valid by construction (a test
     replays them). `skills` (--skill_tasks; the CPU testbed, not the method): True puts each task's scripted
     skill (scripted_skill, workflow or avoidance form by a seeded coin) in the actor prompt, with the same
-    target. -> one list of pairs per task ([] where the expert did not win)."""
+    target; in ALFWorld that target follows the route the skill names (the stored walkthrough: in a hidden-object
+    room the direct one). A hidden-object room's plain target searches at random (search_actions). -> one list
+    of pairs per task ([] where the expert did not win)."""
     env, out = envs.from_config(cfg, split), []
     coin = np.random.default_rng([cfg.seed, 3])
     for t in tasks:
         _, info = env.reset(seed=int(t))
         skill = scripted_skill(env, info, bool(coin.integers(2)), coin) if skills else None
+        hidden = env.name == "alfworld" and envs.alfworld.read_game(env.game).get("hidden")
+        route = (iter(info["expert_plan"]) if skills and env.name == "alfworld" else
+                 search_actions(env, list(info["expert_plan"]), coin) if hidden else iter(()))
         pairs, won, done = [], False, False
-        while not done and (target := expert_response(env)) is not None:
+        while not done and (target := expert_response(env, next(route, None))) is not None:
             _, ids, _ = rollout._prompt(env, tok, skill, cfg.max_prompt_tokens)
             pairs.append((ids, tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
             _, _, terminated, truncated, info = env.step(target)

@@ -67,6 +67,8 @@ def parse_args(argv):
                     help="expert tasks with their scripted skill in the prompt joining Stage 1 (sft.py --skill_tasks; "
                          "the teacher-gap testbed, not the method)")
     ap.add_argument("--engine", default="vllm")
+    ap.add_argument("--data_dir", default="", help="ALFWorld games ('' = a small generated set in the cache; "
+                                                   "the hidden-object testbed: README)")
     ap.add_argument("--name", default="", help="config name ('' = from the env and sizes)")
     ap.add_argument("--report_only", action="store_true", help="only write the table and plot")
     args = ap.parse_args(argv)
@@ -84,7 +86,7 @@ def checkpoints(args, cache, warm, stage1):
     common_env = ["--env", args.env, "--max_steps", str(args.max_steps), "--history_length", str(args.history_length),
                   "--max_tokens", str(args.max_tokens), "--engine", args.engine]
     if args.env == "alfworld":
-        common_env += ["--data_dir", common.games_dir()]
+        common_env += ["--data_dir", args.data_dir or common.games_dir()]
     for path in (args.warmup, args.stage1):
         if path and not os.path.isfile(os.path.join(path, "config.json")):
             sys.exit(f"{path} is not a checkpoint folder (no config.json)")
@@ -111,7 +113,7 @@ def seed_argv(args, stage1, extra):
             "--eval_tasks", str(args.eval_tasks), "--eval_greedy", "--eval_first", "--save_every", "1",
             "--engine", args.engine]
     if args.env == "alfworld":
-        argv += ["--data_dir", common.games_dir()]
+        argv += ["--data_dir", args.data_dir or common.games_dir()]
     return argv + extra
 
 

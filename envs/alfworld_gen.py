@@ -17,15 +17,30 @@ occur in `train`. Every game is played by the package's hand-coded expert throug
 `envs.alfworld.AlfWorldEnv`; a game the expert cannot win within `--max_expert_steps` is redrawn.
 
     python -m envs.alfworld_gen --out data/alfworld --train 60 --valid_seen 12 --valid_unseen 12 --seed 0
+
+`--hidden` makes small hidden-object rooms (the CPU teacher-gap testbed, README; not ALFWorld's own games):
+`--families` only, at most `--receptacles` receptacles, one target instance, `--distractors` other object
+classes. The target is out of sight until the agent goes to its receptacle, which is its class's usual one
+(a fixed hash ranks the receptacle classes per object class) USUAL of the time, so that what a hindsight skill
+reveals ("the book was in drawer 2") is partly a prior that carries to other rooms. The stored `walkthrough` is
+the direct route there (go, open, take, go, move), checked by playing it through the engine, so that the
+scripted annotator's hindsight skill names where the object was; the game file says `"hidden": true`, and a warm
+start's plain demonstrations there search at random (sft.search_actions) instead of cloning the hand-coded
+expert, whose searches by its priors are no policy a prompt without history can follow.
+
+    python -m envs.alfworld_gen --out data/hidden --hidden --families pick --receptacles 5 --distractors 0-2 \
+        --train 256 --valid_seen 128 --valid_unseen 0
 """
 import argparse
 import collections
+import hashlib
 import json
 import multiprocessing as mp
 import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
@@ -40,6 +55,8 @@ ABILITY = {"pick_clean_then_place_in_recep": "Cleanable", "pick_heat_then_place_
 LAMPS = ("DeskLamp", "FloorLamp")
 LAMP_STANDS = ("Desk", "SideTable", "Dresser", "Shelf", "TVStand", "CoffeeTable", "DiningTable")
 MAX_RECEPTACLES = 20     # the real kitchen game of ../shared/data has 20
+HIDDEN_SPOTS = 3         # --hidden: receptacles the target could be in (its goal excluded), at least
+USUAL = 0.8              # --hidden: chance that the target lies in its usual receptacle class (where the room has one)
 
 
 # ----------------------------------------------------------------------------- package data
@@ -114,9 +131,9 @@ def candidates(room, task_type):
     return [(o, r) for o, r in pairs if any(o in C.VAL_RECEPTACLE_OBJECTS[q] for q in recep_classes if q != r)]
 
 
-def build_receptacles(room, rng, keep):
+def build_receptacles(room, rng, keep, cap=MAX_RECEPTACLES):
     """Receptacle instances (class, id, location): the plan's own, plus the classes it lists without a
-    navigation point; thinned at random to MAX_RECEPTACLES, never dropping a class in `keep`."""
+    navigation point; thinned at random to `cap`, never dropping a class in `keep`."""
     recs = list(room["receptacles"])
     for cls in room["missing"]:
         for _ in range(rng.randint(2, 4) if cls == "StoveBurner" else 1):
@@ -128,7 +145,7 @@ def build_receptacles(room, rng, keep):
     rng.shuffle(recs)
     chosen, count = [], collections.Counter()
     for r in sorted(recs, key=lambda r: r[0] not in keep):   # one of each kept class first
-        if (r[0] in keep and count[r[0]] == 0) or len(chosen) < MAX_RECEPTACLES:
+        if (r[0] in keep and count[r[0]] == 0) or len(chosen) < cap:
             chosen.append(r)
             count[r[0]] += 1
     used, out = set(), []
@@ -147,7 +164,34 @@ def place(cls, receptacles, rng, avoid=()):
     return rng.choice(spots) if spots else None
 
 
-def sample_spec(task_type, rooms, rng, banned=frozenset()):
+def usual_rank(cls, place_cls):
+    """How usual a place receptacle class `place_cls` is for object class `cls` (lower: more usual): a fixed
+    hash, so an object has the same preferences in every room and split: the prior a hindsight skill reveals."""
+    return hashlib.sha256(f"{cls}/{place_cls}".encode()).hexdigest()
+
+
+def place_usual(cls, receptacles, rng, avoid=()):
+    """--hidden: in an instance of the most usual class (usual_rank) among the room's fitting receptacles, USUAL
+    of the time; else in any other fitting one."""
+    C = package()[0]
+    spots = [r for r in receptacles if cls in C.VAL_RECEPTACLE_OBJECTS[r[0]] and r[0] not in avoid]
+    if not spots:
+        return None
+    best = min({r[0] for r in spots}, key=lambda q: usual_rank(cls, q))
+    usual, rest = [r for r in spots if r[0] == best], [r for r in spots if r[0] != best]
+    return rng.choice(usual if not rest or rng.random() < USUAL else rest)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a game looks like (the defaults: ALFWorld's own mix)."""
+    families: tuple = tuple(ORDER)       # ALFRED task types, drawn in turn by game index
+    receptacles: int = MAX_RECEPTACLES   # at most this many receptacle instances
+    distractors: tuple = (6, 12)         # other object classes in the room (1-2 instances each)
+    hidden: bool = False                 # one target instance; walkthrough = the direct route (module docstring)
+
+
+def sample_spec(task_type, rooms, rng, banned=frozenset(), shape=Shape()):
     """Draw room, target and object placement for one game; None when this draw does not work out."""
     C = package()[0]
     options = [(room, pair) for room in rooms for pair in candidates(room, task_type)
@@ -158,13 +202,16 @@ def sample_spec(task_type, rooms, rng, banned=frozenset()):
     look = task_type == "look_at_obj_in_light"
     keep = set(LAMP_STANDS) if look else {other}
     keep |= {APPLIANCE[task_type]} if task_type in APPLIANCE else set()
-    receptacles, start = build_receptacles(room, rng, keep)
+    receptacles, start = build_receptacles(room, rng, keep, shape.receptacles)
     objects = []                                                # (class, receptacle) pairs
     n_target = rng.randint(2, 3) if task_type == "pick_two_obj_and_place" else rng.randint(1, 3)
+    if shape.hidden:
+        n_target = 2 if task_type == "pick_two_obj_and_place" else 1
     for _ in range(n_target):
-        objects.append((target, place(target, receptacles, rng, avoid=() if look else (other,))))
+        objects.append((target, (place_usual if shape.hidden else place)(target, receptacles, rng,
+                                                                          avoid=() if look else (other,))))
     others = [o for o in room["objects"] if o != target]
-    for cls in rng.sample(others, min(len(others), rng.randint(6, 12))):
+    for cls in rng.sample(others, min(len(others), rng.randint(*shape.distractors))):
         for _ in range(rng.randint(1, 2)):
             objects.append((cls, place(cls, receptacles, rng)))
     if look:
@@ -174,6 +221,9 @@ def sample_spec(task_type, rooms, rng, banned=frozenset()):
         objects.append((other, rng.choice(stands)))
     objects = [(cls, r) for cls, r in objects if r is not None]
     if sum(cls == target for cls, _ in objects) < (2 if task_type == "pick_two_obj_and_place" else 1):
+        return None
+    spots = {r[1] for r in receptacles if target in C.VAL_RECEPTACLE_OBJECTS[r[0]] and r[0] != other}
+    if shape.hidden and len(spots) < HIDDEN_SPOTS:      # the target's place must be a real guess
         return None
     taken = set()
     objects = [(cls, object_id(cls, r, rng, taken), r) for cls, r in objects]
@@ -272,6 +322,30 @@ def write_game(out, split, spec, trial, seed):
 
 # ----------------------------------------------------------------------------- one game, verified
 
+def direct_route(plan):
+    """The expert's plan without its search: for each `take X from R`, only `go to R` (and `open R` where the
+    plan had to open it) before it; after the last take, the plan's steps but its `close`s. A plan without a
+    take is kept."""
+    takes = [i for i, a in enumerate(plan) if a.startswith("take ")]
+    if not takes:
+        return list(plan)
+    out = []
+    for i in takes:
+        where = plan[i].split(" from ", 1)[1]
+        out += [f"go to {where}"] + ([f"open {where}"] if f"open {where}" in plan[:i] else []) + [plan[i]]
+    return out + [a for a in plan[takes[-1] + 1:] if not a.startswith("close ")]
+
+
+def wins(engine, path, plan):
+    """Does `plan` win the game from its start (every command admissible when sent)?"""
+    state = aw.engine_reset(engine, path)
+    for k, command in enumerate(plan):
+        if command not in state["admissible_commands"]:
+            return False
+        state, _ = aw.engine_step(engine, command, k + 1)
+    return bool(state["won"])
+
+
 _ENGINE = None
 _ROOMS = None
 
@@ -287,20 +361,25 @@ def all_rooms():
 def make_game(job):
     """Draw, write and verify game `index` of a split; retry new draws until the expert wins."""
     global _ENGINE
-    out, split, index, seed, banned, max_expert_steps, attempts = job
+    out, split, index, seed, banned, max_expert_steps, attempts, shape = job
     C = package()[0]
     scenes = C.TEST_SCENE_NUMBERS if split == "valid_unseen" else C.TRAIN_SCENE_NUMBERS
     rooms = [all_rooms()[s] for s in scenes]
-    task_type = ORDER[index % len(ORDER)]
+    task_type = shape.families[index % len(shape.families)]
     _ENGINE = _ENGINE or aw.make_engine()
     for attempt in range(attempts):
         rng = random.Random(f"{seed}/{split}/{index}/{attempt}")
-        spec = sample_spec(task_type, rooms, rng, banned)
+        spec = sample_spec(task_type, rooms, rng, banned, shape)
         if spec is None:
             continue
         trial = f"trial_S{seed}_{index:05d}"
         path = write_game(out, split, spec, trial, seed=rng.getrandbits(31))
         plan = aw.play_expert(path, max_steps=max_expert_steps, engine=_ENGINE)
+        searched = len(plan) if plan else 0
+        if plan and shape.hidden and wins(_ENGINE, path, direct_route(plan)):
+            plan = direct_route(plan)
+        elif shape.hidden:
+            plan = None                         # a hidden room keeps only games whose direct route wins
         aw.clear_caches()                       # the file is rewritten below or deleted
         if plan is None:
             shutil.rmtree(os.path.dirname(path))
@@ -312,15 +391,16 @@ def make_game(job):
         with open(path) as f:
             game = json.load(f)
         with open(path, "w") as f:
-            json.dump({**game, "solvable": True, "walkthrough": plan}, f)
+            json.dump({**game, "solvable": True, "walkthrough": plan, "hidden": shape.hidden}, f)
         return {"path": path, "split": split, "family": aw.FAMILIES[task_type], "scene": spec["scene"],
-                "combo": (task_type, spec["target"], spec["other"]), "expert_steps": len(plan), "attempts": attempt + 1}
+                "combo": (task_type, spec["target"], spec["other"]), "expert_steps": searched,
+                "plan_steps": len(plan), "attempts": attempt + 1}
     return {"path": None, "split": split, "family": aw.FAMILIES[task_type], "attempts": attempts}
 
 
 # ----------------------------------------------------------------------------- command line
 
-def generate(out, counts, seed=0, max_expert_steps=30, workers=None, attempts=40, progress=True):
+def generate(out, counts, seed=0, max_expert_steps=30, workers=None, attempts=40, progress=True, shape=Shape()):
     """Generate every split (train first: valid_unseen must avoid its combinations). Returns records."""
     workers = workers or min(os.cpu_count() or 1, 8)
     pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
@@ -329,7 +409,7 @@ def generate(out, counts, seed=0, max_expert_steps=30, workers=None, attempts=40
     try:
         for split in aw.SPLITS:
             banned = train_combos if split == "valid_unseen" else frozenset()
-            jobs = [(out, split, i, seed, banned, max_expert_steps, attempts) for i in range(counts.get(split, 0))]
+            jobs = [(out, split, i, seed, banned, max_expert_steps, attempts, shape) for i in range(counts.get(split, 0))]
             results = pool.imap(make_game, jobs) if pool else map(make_game, jobs)
             for r in results:
                 records.append(r)
@@ -352,9 +432,12 @@ def summary(records):
         row = [table[(split, f)] for f in aw.FAMILIES.values()]
         lines.append(f"{split:13s} " + " ".join(f"{n:6d}" for n in row) + f"  {sum(row):5d}")
     steps = [r["expert_steps"] for r in records if r["path"]]
+    direct = [r["plan_steps"] for r in records if r["path"]]
     if steps:
         lines.append(f"expert steps: mean {sum(steps) / len(steps):.1f}, max {max(steps)}; "
                      f"draws per game: {sum(r['attempts'] for r in records) / len(records):.2f}")
+    if direct != steps:
+        lines.append(f"stored walkthrough (the direct route): mean {sum(direct) / len(direct):.1f} steps, max {max(direct)}")
     failed = [r for r in records if not r["path"]]
     if failed:
         lines.append(f"{len(failed)} game(s) could not be made: " + ", ".join(f"{r['split']}/{r['family']}" for r in failed))
@@ -371,9 +454,25 @@ def main(argv=None):
     p.add_argument("--max_expert_steps", type=int, default=30, help="keep games the expert wins within this many steps")
     p.add_argument("--workers", type=int, default=None, help="processes (default: number of cores, at most 8)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing json_2.1.1/ in --out")
+    p.add_argument("--hidden", action="store_true", help="small hidden-object rooms (module docstring; the CPU testbed)")
+    p.add_argument("--families", default=",".join(aw.FAMILIES.values()), help="task families, comma-separated")
+    p.add_argument("--receptacles", type=int, default=MAX_RECEPTACLES, help="receptacle instances per room, at most")
+    p.add_argument("--distractors", default="6-12", help="other object classes per room, LO-HI")
     args = p.parse_args(argv)
     if min(args.train, args.valid_seen, args.valid_unseen) < 0 or args.max_expert_steps < 1:
         p.error("counts must be >= 0 and --max_expert_steps >= 1")
+    label = {f: t for t, f in aw.FAMILIES.items()}
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    if not families or any(f not in label for f in families):
+        p.error(f"--families: choose from {', '.join(label)}, got {args.families!r}")
+    try:
+        lo, hi = (int(x) for x in args.distractors.split("-"))
+        assert 0 <= lo <= hi
+    except (ValueError, AssertionError):
+        p.error(f"--distractors must be LO-HI with 0 <= LO <= HI, got {args.distractors!r}")
+    if args.receptacles < HIDDEN_SPOTS + 1:
+        p.error(f"--receptacles must be at least {HIDDEN_SPOTS + 1}, got {args.receptacles}")
+    shape = Shape(tuple(label[f] for f in families), args.receptacles, (lo, hi), args.hidden)
     target = os.path.join(args.out, "json_2.1.1")
     if os.path.exists(target):
         if not args.overwrite:
@@ -381,7 +480,7 @@ def main(argv=None):
         shutil.rmtree(target)
     t0 = time.time()
     counts = {"train": args.train, "valid_seen": args.valid_seen, "valid_unseen": args.valid_unseen}
-    records = generate(args.out, counts, args.seed, args.max_expert_steps, args.workers)
+    records = generate(args.out, counts, args.seed, args.max_expert_steps, args.workers, shape=shape)
     print(summary(records))
     n = sum(1 for r in records if r["path"])
     print(f"wrote {n} games to {target} in {time.time() - t0:.1f} s")

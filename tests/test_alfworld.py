@@ -311,3 +311,58 @@ def test_engine_speedups_do_not_change_transcripts(generated):
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert runs[0] == runs[1] and len(runs[0]) == 24
+
+
+# ----------------------------------------------------------------------------- hidden-object rooms (the CPU testbed)
+
+HIDDEN = gen.Shape(families=("pick_and_place_simple",), receptacles=5, distractors=(0, 2), hidden=True)
+
+
+@pytest.fixture(scope="module")
+def hidden(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hidden")
+    records = gen.generate(str(out), {"train": 4, "valid_seen": 4}, seed=1, workers=2, progress=False, shape=HIDDEN)
+    return out, records
+
+
+def test_direct_route_drops_the_search():
+    searched = ["look", "go to shelf 1", "go to drawer 1", "open drawer 1", "close drawer 1", "go to drawer 2",
+                "open drawer 2", "take pen 1 from drawer 2", "go to desk 1", "open desk 1", "close desk 1",
+                "move pen 1 to desk 1"]
+    assert gen.direct_route(searched) == ["go to drawer 2", "open drawer 2", "take pen 1 from drawer 2", "go to desk 1",
+                                          "open desk 1", "move pen 1 to desk 1"]
+    assert gen.direct_route(["look", "go to desk 1"]) == ["look", "go to desk 1"]     # no take: kept as it is
+
+
+def test_hidden_rooms_hide_one_target_and_store_the_direct_route(hidden):
+    """--hidden: at most 5 receptacles, the one target instance out of sight at the start, and the stored
+    walkthrough goes straight to it (shorter than the expert's search, which still looks first) and wins."""
+    out, records = hidden
+    assert len(records) == 8 and all(r["path"] for r in records), gen.summary(records)
+    assert all(r["plan_steps"] < r["expert_steps"] for r in records)     # the expert searched; the route does not
+    assert "direct route" in gen.summary(records)
+    for split in ("train", "valid_seen"):
+        env = aw.AlfWorldEnv(data_dir=str(out), split=split, max_steps=10)
+        for task_id in range(env.num_tasks):
+            obs, info = env.reset(seed=task_id)
+            plan, target = info["expert_plan"], env.task.split()[2]          # "put some <target> on <place>."
+            where = plan[0].removeprefix("go to ")
+            assert plan[0].startswith("go to ") and plan[1 + plan[1].startswith("open ")] == f"take {target} 1 from {where}"
+            assert sum(a.startswith("go to ") for a in env.admissible) <= HIDDEN.receptacles
+            assert f"{target} 1" not in obs
+            for command in plan:
+                obs, reward, terminated, truncated, info = env.step(respond(command))
+            assert info["won"] and terminated and env.steps == len(plan) <= 6
+
+
+def test_hidden_target_lies_in_its_usual_place_most_of_the_time():
+    """place_usual: the object's most usual fitting receptacle class (a fixed ranking per object class, the same in
+    every room) holds it USUAL of the time; a class it does not fit or the goal's (avoid) never does."""
+    recs = [("Drawer", "Drawer_1", "l1"), ("Drawer", "Drawer_2", "l2"), ("Shelf", "Shelf_1", "l3"),
+            ("Desk", "Desk_1", "l4"), ("Fridge", "Fridge_1", "l5")]
+    rng = random.Random(0)
+    best = min(("Drawer", "Shelf"), key=lambda q: gen.usual_rank("Book", q))
+    spots = [gen.place_usual("Book", recs, rng, avoid=("Desk",))[0] for _ in range(2000)]
+    assert set(spots) == {"Drawer", "Shelf"}
+    assert abs(spots.count(best) / len(spots) - gen.USUAL) < 0.03
+    assert gen.usual_rank("Book", "Drawer") == gen.usual_rank("Book", "Drawer") != gen.usual_rank("Pen", "Drawer")

@@ -13,7 +13,7 @@ import rollout
 import runfolder
 import seed
 import sft
-from tests.test_alfworld import REAL
+from tests.test_alfworld import REAL, hidden  # noqa: F401 (hidden: a fixture)
 
 
 def sft_config(flags):
@@ -70,6 +70,29 @@ def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
             rules.add(prompt.split("Avoid this failure: ")[1].split(". Instead")[0])
     assert forms == {True, False}                                                 # both skill forms occur
     assert len(rules) > 1                                                         # failures of several kinds
+
+
+def test_alfworld_skill_examples_follow_the_route_the_skill_names(hidden, tokenizer):
+    """In a hidden-object room (CPU testbed) a skill example's target walks the stored direct route that its
+    skill names, while the plain example searches (sft.search_actions: goes to receptacles, opens the closed
+    ones, never the goal's, then the route from its take); both win."""
+    out, _ = hidden
+    cfg = sft_config(["--env", "alfworld", "--max_steps", "20", "--history_length", "0", "--data_dir", str(out)])
+    tasks = list(range(4))
+    plain = sft.expert_examples(cfg, tokenizer, tasks, "valid_seen")
+    skilled = sft.expert_examples(cfg, tokenizer, tasks, "valid_seen", skills=True)
+    env = envs.from_config(cfg, "valid_seen")
+    for task, p, q in zip(tasks, plain, skilled):
+        _, info = env.reset(seed=task)
+        route = list(info["expert_plan"])
+        said = [envs.action_text(tokenizer.decode(c, skip_special_tokens=True)) for _, c in q]
+        assert said == route and " -> ".join(route) in tokenizer.decode(q[0][0])
+        searched = [envs.action_text(tokenizer.decode(c, skip_special_tokens=True)) for _, c in p]
+        take = next(i for i, a in enumerate(route) if a.startswith("take "))
+        k = searched.index(route[take])
+        assert searched[k:] == route[take:] and searched[k - 1 - route[take - 1].startswith("open ")] == route[0]
+        assert all(a.startswith(("go to ", "open ")) and a != route[take + 1] for a in searched[:k])
+        assert envs.EPISODE_SKILL[0] not in tokenizer.decode(p[0][0])
 
 
 def test_warmup_stage_end_to_end(tmp_path):
