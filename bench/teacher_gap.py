@@ -17,6 +17,9 @@ From one checkpoint, on the first --tasks tasks of --split, --group_size samples
                   --skill_mode and --skill_teacher_mode, a step's own critical-step skill first)
 
 Gaps are paired over tasks: d_t = success_b(t) - success_a(t), gap = mean d_t, SE = std(d_t) / sqrt(tasks).
+(b) and (c) are also split by how the episode of (a) they replay ended ("after won / lost"): a won episode's
+own skill can name what worked, a lost one's only what that episode saw (the hidden-object rooms' own gap is
+made of the two, bench/RESULTS.md section 8).
 Verdict: "OPD has a signal" when the own-skill gap - 2 SE > 0 AND the gate's std over all response tokens
 (the tokens Eq. 7 weights) is at least --min_gate_std (0.1: runs whose teacher changed nothing measured
 0.04-0.08); else "OPD has no signal". The rule reads all response tokens, not only the action's: where the
@@ -151,10 +154,13 @@ def measure(engine, model, tok, cfg, progress=False):
     res = {"config": asdict(cfg), "tasks": n, "samples": G, "student": float(a.mean()), "per_task": {"student": a.tolist()},
            "skill_rate": {"own": 1 - stats["parse_failures"] / max(stats["episodes"], 1)} | ({"oracle": 1.0} if oracle else {}),
            "tied_groups": tied / groups, "shift": shifts}
+    won = np.array([ep.won for ep in student], bool)                                        # [n * G]
     for name, eps in again.items():
         b = per_task(eps, n, G)
         res[name], res["per_task"][name] = float(b.mean()), b.tolist()
         res[f"gap_{name}"], res[f"se_{name}"] = paired_gap(b, a)
+        r = np.array([float(ep.won) for ep in eps])                                         # [n * G], (a)'s order
+        res[f"after_{name}"] = {k: float(r[m].mean()) if m.any() else float("nan") for k, m in (("won", won), ("lost", ~won))}
     res["signal"] = bool(res["gap_own"] - 2 * res["se_own"] > 0 and shifts.get("own", {}).get("gate_std_response", 0) >= cfg.min_gate_std)
     res["verdict"] = verdict(res, cfg)
     res["sec"] = {k.split("/")[-1]: v for k, v in sec.items()} | {"total": sum(sec.values())}
@@ -176,12 +182,13 @@ def table(res, cfg):
     f = lambda x: "  nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.3f}"
     lines = [f"teacher gap: {cfg.env} {cfg.split}, {res['tasks']} tasks x {res['samples']} samples, "
              f"T={cfg.temperature:g}, checkpoint {cfg.init or cfg.model}",
-             f"{'':34s}{'success':>9s}{'gap':>9s}{'SE':>8s}{'skills':>8s}",
+             f"{'':34s}{'success':>9s}{'gap':>9s}{'SE':>8s}{'skills':>8s}{'after won':>11s}{'lost':>7s}",
              f"{'(a) student, no skill':34s}{res['student']:9.3f}"]
     for key, label in (("own", "(b) own hindsight skill"), ("oracle", "(c) oracle (scripted) skill")):
         if key in res:
+            after = res["after_" + key]
             lines.append(f"{label:34s}{res[key]:9.3f}{f(res['gap_' + key]):>9s}{res['se_' + key]:8.3f}"
-                         f"{res['skill_rate'][key]:8.2f}")
+                         f"{res['skill_rate'][key]:8.2f}{after['won']:11.3f}{after['lost']:7.3f}")
     names = list(res["shift"])
     lines.append(f"(d) teacher-forced on (a)'s responses{''.join(f'{n:>12s}' for n in names)}")
     for k, label in (("delta_action_p5", "delta action p5"), ("delta_action_p50", "delta action p50"),

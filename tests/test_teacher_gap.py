@@ -89,6 +89,7 @@ def test_a_skill_reading_policy_has_a_positive_gap(tokenizer, tiny_model):
     assert res["skill_rate"]["own"] == 1.0 and all(ep.skill for ep in student)
     assert res["student"] < 0.5 and res["own"] == res["oracle"] == 1.0          # random without, the solution with
     assert res["gap_own"] > 0.5 and res["gap_oracle"] > 0.5 and res["se_own"] >= 0
+    assert res["after_own"]["lost"] == res["after_oracle"]["lost"] == 1.0            # a lost episode's skill names the solution too
     for name in ("own", "oracle"):
         s = res["shift"][name]
         assert s["action_tokens"] > 0 and s["gate_std_action"] > 0               # another context, other log-probs
@@ -96,7 +97,7 @@ def test_a_skill_reading_policy_has_a_positive_gap(tokenizer, tiny_model):
         assert 0 <= s["action_shift_share"] <= 1 and s["delta_action_p5"] <= s["delta_action_p50"] <= s["delta_action_p95"]
     assert 0 <= res["tied_groups"] <= 1
     text = teacher_gap.table(res, cfg)
-    assert "(b) own hindsight skill" in text and "verdict: teacher gap (own skill) +" in text
+    assert "(b) own hindsight skill" in text and "verdict: teacher gap (own skill) +" in text and "after won" in text
 
 
 def test_a_skill_that_changes_nothing_has_no_signal(tokenizer, tiny_model, monkeypatch):
