@@ -374,10 +374,31 @@ def scripted_analysis(episode, max_steps=None, max_step_skills=0):
         rules.append("check that each action brings you closer to the goal")
     summary = f"The agent failed the task '{task}': " + "; ".join(problems) + "."
     skill = "Avoid this failure: " + "; ".join(rules) + "."
-    if plan:
+    if plan and ep.info.get("hidden"):
+        skill += " " + hidden_hindsight(ep, plan)
+    elif plan:
         skill += f" Instead, the key steps are: {route}."
     return {"episode_summary": summary, "episode_skill": skill,
             "step_skills": scripted_step_skills(ep, max_step_skills)}
+
+
+def hidden_hindsight(episode, plan):
+    """A failure in a hidden-object room (envs/alfworld_gen.py --hidden) names only what its own observations
+    showed: the route where one showed the object, else the places whose contents it saw without the object.
+    The expert's route would name a place the episode never saw, and an analyzer taught that guesses one."""
+    take = next((a for a in plan if a.startswith("take ")), None)
+    if take is None:
+        return f"Instead, the key steps are: {' -> '.join(_key_steps(plan))}."
+    obj, empty = take.removeprefix("take ").split(" from ")[0], []
+    for s in episode.steps:
+        m = re.match(r"You (?:arrive at|open the) ([a-z]+ \d+)\.", s.observation or "")
+        if m and "you see" in s.observation:
+            if re.search(rf"\b{re.escape(obj)}\b", s.observation.split("you see", 1)[1]):
+                return f"Instead, the key steps are: {' -> '.join(_key_steps(plan))}."
+            empty += [m.group(1)] if m.group(1) not in empty else []
+    name = obj.rsplit(" ", 1)[0]
+    return (f"The {name} was not in {', '.join(empty)}: look in the other places first." if empty else
+            f"The {name} was not found: look in each place once, opening the closed ones.")
 
 
 MOVES = ("go to ", "look", "inventory", "examine ", "help")   # ALFWorld actions that change nothing by themselves

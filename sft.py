@@ -378,8 +378,8 @@ def scripted_skill(env, info, won, rng):
         valid = bool(rng.random() > 1 / 3)
         action = str(rng.choice(info["admissible"])) if valid else ""
         steps.append(Step("", [], [], "", [], "", action, valid))
-    ep = Episode(task_id=0, group_id=0, env=env.name, task=env.task, family=env.family, info=dict(info),
-                 steps=steps, won=won)
+    ep = Episode(task_id=0, group_id=0, env=env.name, task=env.task, family=env.family, steps=steps, won=won,
+                 info={**info, "hidden": False})   # a demonstration walks the route its skill names, failure or not
     return analyzer.scripted_analysis(ep, env.max_steps)["episode_skill"]
 
 

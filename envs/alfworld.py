@@ -311,7 +311,8 @@ class AlfWorldEnv(gym.Env):
         self.task = self.obs.split("Your task is to: ", 1)[-1].strip() if "Your task is to: " in self.obs else ""
         self.family = family_of(self.game)
         self.history, self.steps, self.won, self.done = [], 0, False, False
-        return self.obs, self._info(valid=True, action="", expert_plan=list(expert_plan_of(self.game)))
+        return self.obs, self._info(valid=True, action="", expert_plan=list(expert_plan_of(self.game)),
+                                    hidden=bool(read_game(self.game).get("hidden")))
 
     def step(self, action):
         if self._state is None:

@@ -395,6 +395,28 @@ def test_scripted_analysis_failure_is_an_avoidance_rule():
     assert analyzer.parse_analysis(json.dumps(bare)) == bare
 
 
+def test_scripted_failure_in_a_hidden_room_names_only_what_it_saw():
+    """A hidden-object room (envs/alfworld_gen.py --hidden): a failure that never had the book in view names the
+    places it saw empty, not the expert's route (a place it never saw); one that saw the book names the route."""
+    plan = ["go to drawer 2", "open drawer 2", "take book 1 from drawer 2", "go to desk 1", "move book 1 to desk 1"]
+    act = lambda a: (f"<think>t</think><action>{a}</action>", True, a)
+    missed = [("You are in the middle of a room.", *act("go to shelf 1")),
+              ("You arrive at shelf 1. On the shelf 1, you see a pen 1.", *act("go to drawer 1")),
+              ("You arrive at drawer 1. The drawer 1 is closed.", *act("open drawer 1")),
+              ("You open the drawer 1. The drawer 1 is open. In it, you see nothing.", *act("go to desk 1"))]
+    info = {"expert_plan": plan, "hidden": True}
+    skill = analyzer.scripted_analysis(episode(False, missed, task="put a book in desk", info=info), 6)["episode_skill"]
+    assert skill.endswith("The book was not in shelf 1, drawer 1: look in the other places first.")
+    assert "drawer 2" not in skill and "key steps" not in skill
+    saw = missed[:1] + [("You arrive at drawer 2. The drawer 2 is open. In it, you see a book 1.", *act("go to desk 1"))]
+    skill = analyzer.scripted_analysis(episode(False, saw, task="put a book in desk", info=info), 6)["episode_skill"]
+    assert "key steps are: go to drawer 2 -> open drawer 2 -> take book 1 from drawer 2" in skill
+    blind = analyzer.scripted_analysis(episode(False, missed[:1], task="put a book in desk", info=info), 6)
+    assert blind["episode_skill"].endswith("The book was not found: look in each place once, opening the closed ones.")
+    won = analyzer.scripted_analysis(episode(True, missed, task="put a book in desk", info=info), 6)["episode_skill"]
+    assert "workflow: go to drawer 2 -> open drawer 2" in won                      # a success keeps its workflow
+
+
 # ----------------------------------------------------------------------------- the external analyzer
 
 class Server:
