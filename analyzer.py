@@ -374,8 +374,9 @@ def scripted_analysis(episode, max_steps=None, max_step_skills=0):
         rules.append("check that each action brings you closer to the goal")
     summary = f"The agent failed the task '{task}': " + "; ".join(problems) + "."
     skill = "Avoid this failure: " + "; ".join(rules) + "."
-    if plan and ep.info.get("hidden"):
-        skill += " " + hidden_hindsight(ep, plan)
+    unseen = plan and ep.info.get("hidden") and hidden_hindsight(ep, plan)
+    if unseen:
+        skill += " " + unseen
     elif plan:
         skill += f" Instead, the key steps are: {route}."
     return {"episode_summary": summary, "episode_skill": skill,
@@ -384,17 +385,18 @@ def scripted_analysis(episode, max_steps=None, max_step_skills=0):
 
 def hidden_hindsight(episode, plan):
     """A failure in a hidden-object room (envs/alfworld_gen.py --hidden) names only what its own observations
-    showed: the route where one showed the object, else the places whose contents it saw without the object.
-    The expert's route would name a place the episode never saw, and an analyzer taught that guesses one."""
+    showed: the places whose contents it saw without the object; None where one showed the object (or the plan
+    takes nothing), and the route may be named. The expert's route would name a place the episode never saw,
+    and an analyzer taught that guesses one."""
     take = next((a for a in plan if a.startswith("take ")), None)
     if take is None:
-        return f"Instead, the key steps are: {' -> '.join(_key_steps(plan))}."
+        return None
     obj, empty = take.removeprefix("take ").split(" from ")[0], []
     for s in episode.steps:
         m = re.match(r"You (?:arrive at|open the) ([a-z]+ \d+)\.", s.observation or "")
         if m and "you see" in s.observation:
             if re.search(rf"\b{re.escape(obj)}\b", s.observation.split("you see", 1)[1]):
-                return f"Instead, the key steps are: {' -> '.join(_key_steps(plan))}."
+                return None
             empty += [m.group(1)] if m.group(1) not in empty else []
     name = obj.rsplit(" ", 1)[0]
     return (f"The {name} was not in {', '.join(empty)}: look in the other places first." if empty else

@@ -351,9 +351,9 @@ EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env
 
 
 def expert_response(env, action=None):
-    """The expert's next action (env.expert_action, or `action` where given) as a response in the env's format,
-    after a short thought (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so that the action is the solution's
-    next token): EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
+    """The expert's next action (env.expert_action, or `action` where given) as a response in the env's
+    format, after a short thought (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so
+    that the action is the solution's next token): EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
     <think>...</think><action>...</action>. None when the expert has no move here. A warm-start example with a
     skill in its prompt (--skill_tasks) has this same target: the teacher and the student write one kind of
     response, so that lp_skill - lp measures what the skill changes in it, not a change of style."""
@@ -414,7 +414,7 @@ def expert_examples(cfg, tok, tasks, split="train", skills=False):
     for t in tasks:
         _, info = env.reset(seed=int(t))
         skill = scripted_skill(env, info, bool(coin.integers(2)), coin) if skills else None
-        hidden = env.name == "alfworld" and envs.alfworld.read_game(env.game).get("hidden")
+        hidden = info.get("hidden")
         route = (iter(info["expert_plan"]) if skills and env.name == "alfworld" else
                  search_actions(env, list(info["expert_plan"]), coin) if hidden else iter(()))
         pairs, won, done = [], False, False
