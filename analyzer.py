@@ -398,6 +398,11 @@ def hidden_hindsight(episode, plan):
             if re.search(rf"\b{re.escape(obj)}\b", s.observation.split("you see", 1)[1]):
                 return None
             empty += [m.group(1)] if m.group(1) not in empty else []
+    return not_found_rule(obj, empty)
+
+
+def not_found_rule(obj, empty):
+    """The hidden-object failure rule for object `obj` ("book 1") and the places seen without it."""
     name = obj.rsplit(" ", 1)[0]
     return (f"The {name} was not in {', '.join(empty)}: look in the other places first." if empty else
             f"The {name} was not found: look in each place once, opening the closed ones.")

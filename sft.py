@@ -383,21 +383,33 @@ def scripted_skill(env, info, won, rng):
     return analyzer.scripted_analysis(ep, env.max_steps)["episode_skill"]
 
 
-def search_actions(env, route, rng):
+def search_actions(env, route, rng, skip=()):
     """A hidden-object room's plain demonstration (envs/alfworld_gen.py --hidden; the CPU testbed): a searcher
     who does not know where the object is goes to the room's receptacles in a seeded random order (the goal's
-    excluded), opening the closed ones, until the object is in reach; then the stored direct `route` from its
-    take on. A generator: each next() reads the env as the previous action left it."""
+    and those in `skip` excluded), opening the closed ones, until the object is in reach; then the stored direct
+    `route` from its take on. A generator: each next() reads the env as the previous action left it."""
     take = next(i for i, a in enumerate(route) if a.startswith("take "))
     goal = route[take + 1].removeprefix("go to ") if take + 1 < len(route) else None
     spots = [a.removeprefix("go to ") for a in env.admissible if a.startswith("go to ")]
-    for where in rng.permutation([w for w in spots if w != goal]):
+    for where in rng.permutation([w for w in spots if w != goal and w not in skip]):
         yield f"go to {where}"
         if f"open {where}" in env.admissible:
             yield f"open {where}"
         if route[take] in env.admissible:
             break
     yield from route[take:]
+
+
+def elimination_demo(env, route, rng):
+    """A hidden-object room's skill demonstration in the failure form (the CPU testbed): the skill names 1 or
+    more places that do not hold the object, as analyzer.not_found_rule words a failure that saw them empty, and
+    the target searches only the others (search_actions). -> (skill, route generator)"""
+    obj, where = next(a for a in route if a.startswith("take ")).removeprefix("take ").split(" from ")
+    goal = route[-1].split(" to ", 1)[1]
+    empty = [a.removeprefix("go to ") for a in env.admissible
+             if a.startswith("go to ") and a.removeprefix("go to ") not in (where, goal)]
+    seen = [str(w) for w in rng.permutation(empty)[:int(rng.integers(1, len(empty) + 1))]]
+    return analyzer.not_found_rule(obj, seen), search_actions(env, route, rng, skip=seen)
 
 
 def expert_examples(cfg, tok, tasks, split="train", skills=False):
@@ -407,16 +419,19 @@ def expert_examples(cfg, tok, tasks, split="train", skills=False):
     replays them). `skills` (--skill_tasks; the CPU testbed, not the method): True puts each task's scripted
     skill (scripted_skill, workflow or avoidance form by a seeded coin) in the actor prompt, with the same
     target; in ALFWorld that target follows the route the skill names (the stored walkthrough: in a hidden-object
-    room the direct one). A hidden-object room's plain target searches at random (search_actions). -> one list
-    of pairs per task ([] where the expert did not win)."""
+    room the direct one). A hidden-object room's plain target searches at random (search_actions), and half its
+    skill demonstrations, by the coin, are in the failure form that names only empty places (elimination_demo).
+    -> one list of pairs per task ([] where the expert did not win)."""
     env, out = envs.from_config(cfg, split), []
     coin = np.random.default_rng([cfg.seed, 3])
     for t in tasks:
         _, info = env.reset(seed=int(t))
+        plan, hidden = list(info.get("expert_plan") or []), info.get("hidden")
         skill = scripted_skill(env, info, bool(coin.integers(2)), coin) if skills else None
-        hidden = info.get("hidden")
-        route = (iter(info["expert_plan"]) if skills and env.name == "alfworld" else
-                 search_actions(env, list(info["expert_plan"]), coin) if hidden else iter(()))
+        route = (iter(plan) if skills and env.name == "alfworld" else
+                 search_actions(env, plan, coin) if hidden else iter(()))
+        if skills and hidden and coin.integers(2):
+            skill, route = elimination_demo(env, plan, coin)
         pairs, won, done = [], False, False
         while not done and (target := expert_response(env, next(route, None))) is not None:
             _, ids, _ = rollout._prompt(env, tok, skill, cfg.max_prompt_tokens)

@@ -5,6 +5,7 @@ runs end to end on a tiny config, reporting its held-out loss and writing a chec
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -74,25 +75,35 @@ def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
 
 def test_alfworld_skill_examples_follow_the_route_the_skill_names(hidden, tokenizer):
     """In a hidden-object room (CPU testbed) a skill example's target walks the stored direct route that its
-    skill names, while the plain example searches (sft.search_actions: goes to receptacles, opens the closed
-    ones, never the goal's, then the route from its take); both win."""
+    skill names, or, where the skill is in the failure form that names only empty places (sft.elimination_demo),
+    searches the other places; the plain example searches (sft.search_actions: goes to receptacles, opens the
+    closed ones, never the goal's, then the route from its take); all win."""
     out, _ = hidden
     cfg = sft_config(["--env", "alfworld", "--max_steps", "20", "--history_length", "0", "--data_dir", str(out)])
-    tasks = list(range(4))
+    tasks = list(range(8))
     plain = sft.expert_examples(cfg, tokenizer, tasks, "valid_seen")
     skilled = sft.expert_examples(cfg, tokenizer, tasks, "valid_seen", skills=True)
-    env = envs.from_config(cfg, "valid_seen")
+    env, forms = envs.from_config(cfg, "valid_seen"), set()
+    said = lambda pairs: [envs.action_text(tokenizer.decode(c, skip_special_tokens=True)) for _, c in pairs]
     for task, p, q in zip(tasks, plain, skilled):
         _, info = env.reset(seed=task)
         route = list(info["expert_plan"])
-        said = [envs.action_text(tokenizer.decode(c, skip_special_tokens=True)) for _, c in q]
-        assert said == route and " -> ".join(route) in tokenizer.decode(q[0][0])
-        searched = [envs.action_text(tokenizer.decode(c, skip_special_tokens=True)) for _, c in p]
         take = next(i for i, a in enumerate(route) if a.startswith("take "))
+        prompt = tokenizer.decode(q[0][0])
+        rule = re.search(r"was not in ([a-z0-9, ]+): look in the other places first", prompt)
+        forms.add(bool(rule))
+        if rule:   # the target never visits a place the skill names, and ends with the route from its take
+            named = rule.group(1).split(", ")
+            assert route[take].split(" from ")[1] not in named and said(q)[-len(route) + take:] == route[take:]
+            assert not {a.removeprefix("go to ") for a in said(q)[:-len(route) + take]} & set(named)
+        else:
+            assert said(q) == route and " -> ".join(route) in prompt
+        searched = said(p)
         k = searched.index(route[take])
         assert searched[k:] == route[take:] and searched[k - 1 - route[take - 1].startswith("open ")] == route[0]
         assert all(a.startswith(("go to ", "open ")) and a != route[take + 1] for a in searched[:k])
         assert envs.EPISODE_SKILL[0] not in tokenizer.decode(p[0][0])
+    assert forms == {True, False}
 
 
 def test_warmup_stage_end_to_end(tmp_path):
