@@ -385,19 +385,20 @@ def scripted_analysis(episode, max_steps=None, max_step_skills=0):
 
 def hidden_hindsight(episode, plan):
     """A failure in a hidden-object room (envs/alfworld_gen.py --hidden) names only what its own observations
-    showed: the places whose contents it saw without the object; None where one showed the object (or the plan
-    takes nothing), and the route may be named. The expert's route would name a place the episode never saw,
-    and an analyzer taught that guesses one."""
+    showed: the places whose contents it saw without the object (the goal's left out: no search goes there);
+    None where one showed the object (or the plan takes nothing), and the route may be named. The expert's
+    route would name a place the episode never saw, and an analyzer taught that guesses one."""
     take = next((a for a in plan if a.startswith("take ")), None)
     if take is None:
         return None
     obj, empty = take.removeprefix("take ").split(" from ")[0], []
+    goal = plan[-1].split(" to ", 1)[-1]
     for s in episode.steps:
         m = re.match(r"You (?:arrive at|open the) ([a-z]+ \d+)\.", s.observation or "")
         if m and "you see" in s.observation:
             if re.search(rf"\b{re.escape(obj)}\b", s.observation.split("you see", 1)[1]):
                 return None
-            empty += [m.group(1)] if m.group(1) not in empty else []
+            empty += [m.group(1)] if m.group(1) not in empty + [goal] else []
     return not_found_rule(obj, empty)
 
 

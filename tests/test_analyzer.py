@@ -403,11 +403,12 @@ def test_scripted_failure_in_a_hidden_room_names_only_what_it_saw():
     missed = [("You are in the middle of a room.", *act("go to shelf 1")),
               ("You arrive at shelf 1. On the shelf 1, you see a pen 1.", *act("go to drawer 1")),
               ("You arrive at drawer 1. The drawer 1 is closed.", *act("open drawer 1")),
-              ("You open the drawer 1. The drawer 1 is open. In it, you see nothing.", *act("go to desk 1"))]
+              ("You open the drawer 1. The drawer 1 is open. In it, you see nothing.", *act("go to desk 1")),
+              ("You arrive at desk 1. On the desk 1, you see a pen 2.", *act("go to shelf 1"))]   # the goal
     info = {"expert_plan": plan, "hidden": True}
     skill = analyzer.scripted_analysis(episode(False, missed, task="put a book in desk", info=info), 6)["episode_skill"]
     assert skill.endswith("The book was not in shelf 1, drawer 1: look in the other places first.")
-    assert "drawer 2" not in skill and "key steps" not in skill
+    assert "drawer 2" not in skill and "desk 1" not in skill and "key steps" not in skill
     saw = missed[:1] + [("You arrive at drawer 2. The drawer 2 is open. In it, you see a book 1.", *act("go to desk 1"))]
     skill = analyzer.scripted_analysis(episode(False, saw, task="put a book in desk", info=info), 6)["episode_skill"]
     assert "key steps are: go to drawer 2 -> open drawer 2 -> take book 1 from drawer 2" in skill
