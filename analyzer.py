@@ -388,11 +388,9 @@ def hidden_hindsight(episode, plan):
     showed: the places whose contents it saw without the object (the goal's left out: no search goes there);
     None where one showed the object (or the plan takes nothing), and the route may be named. The expert's
     route would name a place the episode never saw, and an analyzer taught that guesses one."""
-    take = next((a for a in plan if a.startswith("take ")), None)
-    if take is None:
+    if not any(a.startswith("take ") for a in plan):
         return None
-    obj, empty = take.removeprefix("take ").split(" from ")[0], []
-    goal = plan[-1].split(" to ", 1)[-1]
+    (obj, _, goal), empty = hidden_target(plan), []
     for s in episode.steps:
         m = re.match(r"You (?:arrive at|open the) ([a-z]+ \d+)\.", s.observation or "")
         if m and "you see" in s.observation:
@@ -400,6 +398,13 @@ def hidden_hindsight(episode, plan):
                 return None
             empty += [m.group(1)] if m.group(1) not in empty + [goal] else []
     return not_found_rule(obj, empty)
+
+
+def hidden_target(plan):
+    """A hidden-object room's direct route -> (object, where it lies, goal receptacle): ("book 1", "drawer 1",
+    "desk 1") from "take book 1 from drawer 1" and the final "move book 1 to desk 1"."""
+    obj, where = next(a for a in plan if a.startswith("take ")).removeprefix("take ").split(" from ")
+    return obj, where, plan[-1].split(" to ", 1)[-1]
 
 
 def not_found_rule(obj, empty):

@@ -404,8 +404,7 @@ def elimination_demo(env, route, rng):
     """A hidden-object room's skill demonstration in the failure form (the CPU testbed): the skill names 1 or
     more places that do not hold the object, as analyzer.not_found_rule words a failure that saw them empty, and
     the target searches only the others (search_actions). -> (skill, route generator)"""
-    obj, where = next(a for a in route if a.startswith("take ")).removeprefix("take ").split(" from ")
-    goal = route[-1].split(" to ", 1)[1]
+    obj, where, goal = analyzer.hidden_target(route)
     empty = [a.removeprefix("go to ") for a in env.admissible
              if a.startswith("go to ") and a.removeprefix("go to ") not in (where, goal)]
     seen = [str(w) for w in rng.permutation(empty)[:int(rng.integers(1, len(empty) + 1))]]
