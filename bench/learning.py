@@ -6,8 +6,8 @@
     Stage 2      seed.py --algo A --seed s --init <Stage 1>   for every algo A and seed s
 
 Every Stage-2 run gets the same flags (learning rate, sizes, updates: no per-algo tuning), the same seed
-hence the same task draws, and the same held-out tasks, evaluated before the first update and every
---eval_every updates at temperature 0.4 with no skill, and greedily. Each run is an ordinary seed.py run
+hence the same task draws, and the same held-out tasks, evaluated every --eval_every updates at temperature 0.4 with no skill, and greedily; the
+starting checkpoint, the same for every run, is evaluated once (the first algo's seed 0). Each run is an ordinary seed.py run
 folder (.cache/bench/learning/<config>/runs/<algo>-s<seed>): a finished one is skipped, a killed or
 stopped one continues from its last checkpoint (--resume), so the benchmark can be stopped and restarted
 at any time. It ends with bench/learning_results/<config>/curves.png (held-out success vs update: mean
@@ -110,7 +110,7 @@ def seed_argv(args, stage1, extra):
             "--max_steps", str(args.max_steps), "--history_length", str(args.history_length),
             "--max_tokens", str(args.max_tokens), "--analyzer_max_tokens", str(args.analyzer_max_tokens),
             "--lr", str(args.lr), "--kl_coef", str(args.kl_coef), "--eval_every", str(args.eval_every),
-            "--eval_tasks", str(args.eval_tasks), "--eval_greedy", "--eval_first", "--save_every", "1",
+            "--eval_tasks", str(args.eval_tasks), "--eval_greedy", "--save_every", "1",
             "--engine", args.engine]
     if args.env == "alfworld":
         argv += ["--data_dir", args.data_dir or common.games_dir()]
@@ -134,7 +134,10 @@ def run_all(args, cache, shared):
                 print(f"[learning] {algo} seed {s}: done, skipped", flush=True)
                 continue
             os.makedirs(run_dir, exist_ok=True)
-            wall = common.run_py(["seed.py", *shared, "--algo", algo, "--seed", str(s), "--out", run_dir, "--resume"],
+            # every run starts from the same checkpoint: its evaluation before update 0 is made once (first run)
+            first = ["--eval_first"] if (s, algo) == (0, args.algos[0]) else []
+            wall = common.run_py(["seed.py", *shared, "--algo", algo, "--seed", str(s), "--out", run_dir, "--resume",
+                                  *first],
                                  os.path.join(run_dir, "bench_stdout.log"), "learning")
             print(f"[learning] {algo} seed {s}: {wall:.0f} s", flush=True)
 
@@ -210,7 +213,7 @@ def table(args, res, cmd):
     # "the end" is the last evaluation every run has reached (all of them once the benchmark is done)
     end = min((max(r["eval"]) for runs in res.values() for r in runs if r["eval"]), default=0)
     upto = lambda c: {x: y for x, y in c.items() if x <= end}
-    first = lambda c: c[min(c)] if c else None
+    first = lambda c: c.get(0)      # the start, where the run evaluated it
     last = lambda c: upto(c)[end] if end in c else None
     area = lambda c: auc(upto(c))
     out = [f"# Learning on the CPU testbed: {args.name}", "",

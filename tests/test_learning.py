@@ -72,3 +72,15 @@ def test_a_cache_built_with_other_warm_start_flags_stops_before_anything_runs(tm
     (cache / "bench_config.json").write_text(json.dumps({"seed_argv": shared, "checkpoint_flags": flags}))
     with pytest.raises(SystemExit, match="other flags"):
         learning.main(["--warmup_tasks", "400"])
+
+
+def test_the_shared_start_is_evaluated_once(tmp_path, monkeypatch):
+    """Every run starts from the same checkpoint, so only the first algo's seed 0 evaluates it (--eval_first);
+    the other runs spend no time on the same numbers."""
+    from bench import common
+    calls = []
+    monkeypatch.setattr(common, "run_py", lambda argv, log, tag: calls.append(argv) or 0.0)
+    args, extra = learning.parse_args(["--algos", "seed,grpo", "--seeds", "2"])
+    learning.run_all(args, str(tmp_path), learning.seed_argv(args, "stage1", extra))
+    runs = [(a[a.index("--algo") + 1], a[a.index("--seed") + 1], "--eval_first" in a) for a in calls]
+    assert runs == [("seed", "0", True), ("grpo", "0", False), ("seed", "1", False), ("grpo", "1", False)]
