@@ -209,7 +209,8 @@ def ci95(xs):
 
 def table(args, res, cmd):
     """table.md: per algo, held-out success at the start and the end (mean ± std over seeds), area under the
-    curve, train episode length and invalid rate, seconds per update; then SEED - other at matched updates."""
+    curve, train episode length and invalid rate, the diag/* means (tied groups, gate std, gate-advantage
+    covariance), seconds per update; then SEED - other at matched updates."""
     # "the end" is the last evaluation every run has reached (all of them once the benchmark is done)
     end = min((max(r["eval"]) for runs in res.values() for r in runs if r["eval"]), default=0)
     upto = lambda c: {x: y for x, y in c.items() if x <= end}
@@ -224,7 +225,7 @@ def table(args, res, cmd):
            f"every {args.eval_every} updates; mean ± std over seeds (population std).", "",
            f"| algo | seeds | updates done | held-out success at 0 (T=0.4) | at {end} (T=0.4) | greedy at 0 | "
            f"greedy at {end} | AUC 0-{end} (T=0.4) | train success | train episode length | train invalid rate | "
-           "tied groups | gate std, response tokens | s / update (no eval) |", "|" + "---|" * 14]
+           "tied groups | gate std, response tokens | gate-advantage cov | s / update (no eval) |", "|" + "---|" * 15]
     for algo, runs in res.items():
         done = [len(r["lines"]) for r in runs]
         sec = [np.mean([m["sec/total"] - m.get("sec/eval", 0.0) for m in r["lines"]]) for r in runs]
@@ -233,7 +234,8 @@ def table(args, res, cmd):
                    f"{pm([last(r['eval']) for r in runs])} | {pm([first(r['greedy']) for r in runs])} | "
                    f"{pm([last(r['greedy']) for r in runs])} | {pm([area(r['eval']) for r in runs])} | "
                    f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | "
-                   f"{pm(per('diag/tied_groups'))} | {pm(per('diag/gate_std_response'))} | {pm(sec)} |")
+                   f"{pm(per('diag/tied_groups'))} | {pm(per('diag/gate_std_response'))} | {pm(per('diag/gate_adv_cov'))} | "
+                   f"{pm(sec)} |")
     if "seed" in res and len(res) > 1:
         out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws and "
                 f"held-out tasks), at matched updates; mean ± SE [95% interval] over the seeds both have (a seed's "
