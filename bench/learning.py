@@ -10,7 +10,9 @@ hence the same task draws, and the same held-out tasks, evaluated every --eval_e
 starting checkpoint, the same for every run, is evaluated once (the first algo's seed 0). Each run is an ordinary seed.py run
 folder (.cache/bench/learning/<config>/runs/<algo>-s<seed>): a finished one is skipped, a killed or
 stopped one continues from its last checkpoint (--resume), so the benchmark can be stopped and restarted
-at any time. It ends with bench/learning_results/<config>/curves.png (held-out success vs update: mean
+at any time. A run's metrics.jsonl is also kept beside the results (bench/learning_results/<config>/runs/),
+so the table survives the cache, and a later sitting on a machine without it adds seeds (--first_seed)
+under another --name. It ends with bench/learning_results/<config>/curves.png (held-out success vs update: mean
 over seeds with a min-max band per algo; invalid-action rate; episode length) and table.md.
 
     .venv/bin/python bench/learning.py --env sokoban                  # the default config (hours on 2 cores)
@@ -20,6 +22,7 @@ Arguments after `--` go to every seed.py run unchanged.
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -39,7 +42,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="sokoban", choices=sorted(EVAL_SPLITS))
     ap.add_argument("--algos", default="seed,grpo,static_skills", help="comma-separated seed.py --algo values")
-    ap.add_argument("--seeds", type=int, default=2, help="seeds 0 .. seeds-1 per algo")
+    ap.add_argument("--seeds", type=int, default=2, help="seeds per algo: first_seed .. first_seed + seeds - 1")
+    ap.add_argument("--first_seed", type=int, default=0, help="the first seed (its first algo evaluates the start)")
     ap.add_argument("--updates", type=int, default=12, help="Stage-2 updates per run")
     ap.add_argument("--tasks_per_update", type=int, default=4)
     ap.add_argument("--group_size", type=int, default=4)
@@ -117,29 +121,45 @@ def seed_argv(args, stage1, extra):
     return argv + extra
 
 
-def finished(run_dir, updates):
-    return any(m["update"] == updates - 1 for m in read(run_dir))
+def seeds(args):
+    return range(args.first_seed, args.first_seed + args.seeds)
 
 
-def read(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
+def kept(args, algo, s):
+    """The copy of a run's metrics.jsonl beside the results, which outlives the cache."""
+    return os.path.join(RESULTS, args.name, "runs", f"{algo}-s{s}.jsonl")
+
+
+def finished(lines, updates):
+    return any(m["update"] == updates - 1 for m in lines)
+
+
+def read(path):
     return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
 
 
+def lines_of(args, cache, algo, s):
+    """A run's metrics lines: from its run folder, or from the kept copy where the folder is gone."""
+    return read(os.path.join(cache, "runs", f"{algo}-s{s}", "metrics.jsonl")) or read(kept(args, algo, s))
+
+
 def run_all(args, cache, shared):
-    for s in range(args.seeds):          # seed-major: every algo has the same number of seeds done so far
+    for s in seeds(args):                # seed-major: every algo has the same number of seeds done so far
         for algo in args.algos:
             run_dir = os.path.join(cache, "runs", f"{algo}-s{s}")
-            if finished(run_dir, args.updates):
+            if finished(lines_of(args, cache, algo, s), args.updates):
                 print(f"[learning] {algo} seed {s}: done, skipped", flush=True)
                 continue
             os.makedirs(run_dir, exist_ok=True)
             # every run starts from the same checkpoint: its evaluation before update 0 is made once (first run)
-            first = ["--eval_first"] if (s, algo) == (0, args.algos[0]) else []
+            first = ["--eval_first"] if (s, algo) == (args.first_seed, args.algos[0]) else []
             wall = common.run_py(["seed.py", *shared, "--algo", algo, "--seed", str(s), "--out", run_dir, "--resume",
                                   *first],
                                  os.path.join(run_dir, "bench_stdout.log"), "learning")
             print(f"[learning] {algo} seed {s}: {wall:.0f} s", flush=True)
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+                os.makedirs(os.path.dirname(kept(args, algo, s)), exist_ok=True)
+                shutil.copyfile(os.path.join(run_dir, "metrics.jsonl"), kept(args, algo, s))
 
 
 # ----------------------------------------------------------------------------- results
@@ -166,8 +186,8 @@ def collect(args, cache):
     splits = EVAL_SPLITS[args.env]
     out = {}
     for algo in args.algos:
-        for s in range(args.seeds):
-            lines = read(os.path.join(cache, "runs", f"{algo}-s{s}"))
+        for s in seeds(args):
+            lines = lines_of(args, cache, algo, s)
             if lines:
                 train = [m for m in lines if m["update"] >= 0]
                 out.setdefault(algo, []).append(dict(seed=s, lines=train, eval=curves(lines, splits),
@@ -236,6 +256,12 @@ def table(args, res, cmd):
                    f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | "
                    f"{pm(per('diag/tied_groups'))} | {pm(per('diag/gate_std_response'))} | {pm(per('diag/gate_adv_cov'))} | "
                    f"{pm(sec)} |")
+    ids = sorted({r["seed"] for runs in res.values() for r in runs})
+    out += ["", f"Held-out success (T=0.4) at {end} by seed:", "", "| algo | " + " | ".join(f"s{i}" for i in ids) + " |",
+            "|---|" + "---|" * len(ids)]
+    for algo, runs in res.items():
+        at = {r["seed"]: last(r["eval"]) for r in runs}
+        out.append(f"| {algo} | " + " | ".join("-" if at.get(i) is None else f"{at[i]:.3f}" for i in ids) + " |")
     if "seed" in res and len(res) > 1:
         out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws and "
                 f"held-out tasks), at matched updates; mean ± SE [95% interval] over the seeds both have (a seed's "

@@ -35,7 +35,8 @@ def test_table_pairs_seeds_and_stops_at_the_update_every_run_reached(tmp_path, m
     write_run(f"{cache}/runs/seed-s1", 4, {0: 0.2, 2: 0.3, 4: 0.5})
     write_run(f"{cache}/runs/grpo-s0", 4, {0: 0.1, 2: 0.2, 4: 0.3})
     write_run(f"{cache}/runs/grpo-s1", 3, {0: 0.2, 2: 0.2})          # killed after 3 updates
-    assert learning.finished(f"{cache}/runs/seed-s1", 4) and not learning.finished(f"{cache}/runs/grpo-s1", 4)
+    lines = lambda algo, s: learning.lines_of(args, cache, algo, s)
+    assert learning.finished(lines("seed", 1), 4) and not learning.finished(lines("grpo", 1), 4)
     res = learning.report(args, cache, "bench/learning.py ...")
     md = open(tmp_path / "results" / args.name / "table.md").read()
     assert "at 2 (T=0.4)" in md                                      # the last evaluation all runs reached
@@ -43,6 +44,7 @@ def test_table_pairs_seeds_and_stops_at_the_update_every_run_reached(tmp_path, m
     assert "| 2 | +0.150 ± 0.050 [-0.485, +0.785] |" in md
     assert "| 0 | +0.000 ± 0.000 [+0.000, +0.000] |" in md and "| 4 |" not in md
     assert "| 0.250 ± 0.000 | 0.200 ± 0.000 |" in md and "| 0.250 ± 0.000 | - |" in md   # ties; gate std where scored
+    assert "| seed | 0.400 | 0.300 |" in md and "| grpo | 0.200 | 0.200 |" in md      # by seed, at 2
     assert os.path.getsize(tmp_path / "results" / args.name / "curves.png") > 10_000
     assert [len(r["lines"]) for r in res["grpo"]] == [4, 3]
 
@@ -84,3 +86,27 @@ def test_the_shared_start_is_evaluated_once(tmp_path, monkeypatch):
     learning.run_all(args, str(tmp_path), learning.seed_argv(args, "stage1", extra))
     runs = [(a[a.index("--algo") + 1], a[a.index("--seed") + 1], "--eval_first" in a) for a in calls]
     assert runs == [("seed", "0", True), ("grpo", "0", False), ("seed", "1", False), ("grpo", "1", False)]
+
+
+def test_a_later_sitting_adds_seeds_and_finished_runs_outlive_the_cache(tmp_path, monkeypatch):
+    """--first_seed 2 runs seeds 2 and 3 (the start evaluated by the first of them); a run's metrics are kept
+    beside the results, so a machine without the cache skips it and still reports it."""
+    from bench import common
+    monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
+    calls = []
+
+    def fake_run(argv, log, tag):                  # a finished run: its metrics.jsonl in its run folder
+        calls.append(argv)
+        write_run(argv[argv.index("--out") + 1], 2, {0: 0.1, 2: 0.3})
+        return 0.0
+    monkeypatch.setattr(common, "run_py", fake_run)
+    args, extra = learning.parse_args(["--algos", "seed,grpo", "--seeds", "2", "--first_seed", "2", "--updates", "2",
+                                       "--eval_every", "2"])
+    learning.run_all(args, str(tmp_path / "cache"), learning.seed_argv(args, "stage1", extra))
+    runs = [(a[a.index("--algo") + 1], a[a.index("--seed") + 1], "--eval_first" in a) for a in calls]
+    assert runs == [("seed", "2", True), ("grpo", "2", False), ("seed", "3", False), ("grpo", "3", False)]
+    calls.clear()
+    learning.run_all(args, str(tmp_path / "other_machine"), learning.seed_argv(args, "stage1", extra))
+    assert calls == []                                                  # the kept copies say: all done
+    res = learning.report(args, str(tmp_path / "other_machine"), "bench/learning.py ...")
+    assert [r["seed"] for r in res["grpo"]] == [2, 3]
