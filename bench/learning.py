@@ -7,7 +7,7 @@
 
 Every Stage-2 run gets the same flags (learning rate, sizes, updates: no per-algo tuning), the same seed
 hence the same task draws, and the same held-out tasks, evaluated every --eval_every updates at temperature 0.4 with no skill, and greedily; the
-starting checkpoint, the same for every run, is evaluated once (the first algo's seed 0). Each run is an ordinary seed.py run
+starting checkpoint, the same for every run, is evaluated once (the first algo's first seed). Each run is an ordinary seed.py run
 folder (.cache/bench/learning/<config>/runs/<algo>-s<seed>): a finished one is skipped, a killed or
 stopped one continues from its last checkpoint (--resume), so the benchmark can be stopped and restarted
 at any time. A run's metrics.jsonl is also kept beside the results (bench/learning_results/<config>/runs/),
@@ -138,15 +138,19 @@ def read(path):
     return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
 
 
+def run_folder(cache, algo, s):
+    return os.path.join(cache, "runs", f"{algo}-s{s}")
+
+
 def lines_of(args, cache, algo, s):
     """A run's metrics lines: from its run folder, or from the kept copy where the folder is gone."""
-    return read(os.path.join(cache, "runs", f"{algo}-s{s}", "metrics.jsonl")) or read(kept(args, algo, s))
+    return read(os.path.join(run_folder(cache, algo, s), "metrics.jsonl")) or read(kept(args, algo, s))
 
 
 def run_all(args, cache, shared):
     for s in seeds(args):                # seed-major: every algo has the same number of seeds done so far
         for algo in args.algos:
-            run_dir = os.path.join(cache, "runs", f"{algo}-s{s}")
+            run_dir = run_folder(cache, algo, s)
             if finished(lines_of(args, cache, algo, s), args.updates):
                 print(f"[learning] {algo} seed {s}: done, skipped", flush=True)
                 continue
@@ -157,9 +161,10 @@ def run_all(args, cache, shared):
                                   *first],
                                  os.path.join(run_dir, "bench_stdout.log"), "learning")
             print(f"[learning] {algo} seed {s}: {wall:.0f} s", flush=True)
-            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-                os.makedirs(os.path.dirname(kept(args, algo, s)), exist_ok=True)
-                shutil.copyfile(os.path.join(run_dir, "metrics.jsonl"), kept(args, algo, s))
+            metrics, copy = os.path.join(run_dir, "metrics.jsonl"), kept(args, algo, s)
+            if os.path.exists(metrics):
+                os.makedirs(os.path.dirname(copy), exist_ok=True)
+                shutil.copyfile(metrics, copy)
 
 
 # ----------------------------------------------------------------------------- results
