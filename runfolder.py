@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -80,26 +81,211 @@ def check_common(cfg, positive):
     for name in positive:
         if getattr(cfg, name) < 1:
             fail(f"--{name} must be positive, got {getattr(cfg, name)}")
+    check_flags(cfg)
+
+
+# Every numeric flag's range, one row per field name: (test on the value, what the message says it must be). A row
+# applies to whichever config has that field (seed.Config, sft.SFTConfig, bench/teacher_gap.py's subclass); floats
+# must also be finite. check_flags runs them all, then checks that --out can be written, before any model loads.
+_count = (lambda v: v >= 1, "positive")
+_zero_or_more = (lambda v: v >= 0, "0 or more")
+_share = (lambda v: 0 < v <= 1, "in (0, 1]")
+_fraction = (lambda v: 0 <= v < 1, "in [0, 1)")
+FLAG_CHECKS = {
+    # run and tasks
+    "seed": _zero_or_more,                       # numpy's generators take no negative seed
+    "updates": _zero_or_more,
+    "train_fraction": _share,
+    "tasks_per_update": _count,
+    "group_size": (lambda v: v >= 2, "at least 2 (a GRPO group compares episodes of one task)"),
+    "tasks": _count, "k0": _count, "collect_batch": _count, "annotate_batch": _count,
+    "max_steps": _count,
+    "history_length": _zero_or_more,
+    "max_prompt_tokens": _count, "max_tokens": _count,
+    "temperature": _zero_or_more,
+    "eval_temperature": _zero_or_more,
+    "gpu_memory_utilization": _share,
+    # analyzer
+    "analyzer_max_prompt_tokens": _count, "analyzer_max_tokens": _count,
+    "analyzer_retries": _zero_or_more, "max_step_skills": _zero_or_more,
+    # optimizer and objective
+    "lr": (lambda v: v > 0, "positive"),
+    "weight_decay": _zero_or_more,
+    "grad_clip": (lambda v: v > 0, "positive"),
+    "mini_batch_size": _count, "micro_batch_size": _count, "batch_size": _count, "epochs": _count,
+    "clip_low": _fraction,
+    "clip_high": _zero_or_more,
+    "dual_clip": (lambda v: v > 1, "greater than 1 (a bound above the clipped ratio's 1 + clip)"),
+    "kl_coef": _zero_or_more, "ent_coef": _zero_or_more, "lambda_opd": _zero_or_more, "beta_opd": _zero_or_more,
+    "val_fraction": _fraction, "warmup_ratio": _fraction,
+    "replay": _zero_or_more, "skill_tasks": _zero_or_more,
+    # evaluation and checkpoints
+    "eval_every": (lambda v: v >= 0, "0 (never) or more"),
+    "eval_tasks": (lambda v: v >= 0, "0 (the whole split) or more"),
+    "save_every": (lambda v: v >= 1, "positive (a checkpoint every this many updates)"),
+    "webshop_train_from": (lambda v: v >= 500, "500 or more (goals [0, 500) are the test split)"),
+}
+TRACKERS = ("", "tensorboard", "wandb")
+
+
+def check_flags(cfg):
+    """Stop at start-up (fail: exit 2, the flag named) on the first flag of FLAG_CHECKS out of its range, an unknown
+    --track, or an --out that cannot be written."""
+    for name, (ok, what) in FLAG_CHECKS.items():
+        if not hasattr(cfg, name):
+            continue
+        v = getattr(cfg, name)
+        if (isinstance(v, float) and not math.isfinite(v)) or not ok(v):
+            fail(f"--{name} must be {what}, got {v}")
+    if getattr(cfg, "track", "") not in TRACKERS:
+        fail(f"unknown --track {cfg.track!r}; choose tensorboard or wandb (or leave it out)")
+    if getattr(cfg, "out", ""):
+        check_writable(cfg.out)
+
+
+def check_writable(out):
+    """--out must be a folder this process can create and write (or one that exists and is writable)."""
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--out {out} is a file, not a folder")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"--out {out}: {parent} is a file, not a folder")
+    try:   # a probe file, not os.access: root passes os.access on read-only or virtual file systems
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        fail(f"--out {out} cannot be written: {parent}: {e.strerror or e}")
 
 
 # ----------------------------------------------------------------------------- the folder
 
+# The fields a resumed run may change (README: the run folder): how long it runs and how often it evaluates, saves
+# and reports, and resource knobs that do not change the update (micro-batches split the global token means exactly).
+# Every other field must equal the folder's config.json, or --resume stops before any model loads.
+RESUME_MAY_CHANGE = ("updates", "eval_every", "eval_tasks", "eval_greedy", "eval_first", "save_every", "resume",
+                     "track", "out", "micro_batch_size", "gradient_checkpointing", "gpu_memory_utilization",
+                     "retriever_url")
+
+
+def checkpoint_to_resume(run_dir):
+    """The complete checkpoint of run_dir: checkpoint/, or checkpoint.old/ when a kill fell between
+    save_checkpoint's two renames (then checkpoint/ is missing). -> its path, or None."""
+    for name in (CHECKPOINT, CHECKPOINT + ".old"):
+        if os.path.exists(os.path.join(run_dir, name, "trainer_state.pt")):
+            return os.path.join(run_dir, name)
+    return None
+
+
+def config_changes(saved, cfg):
+    """The fields of cfg that differ from the saved config.json (a dict), less RESUME_MAY_CHANGE; a field the
+    saved file lacks (added to the code since) is not compared. -> [(name, saved value, new value)]."""
+    now = dataclasses.asdict(cfg)
+    return [(k, saved[k], v) for k, v in now.items()
+            if k not in RESUME_MAY_CHANGE and k in saved and saved[k] != v]
+
+
 def open_folder(cfg, rank, world):
-    """Check and prepare the run folder cfg.out (a finished or running run is never overwritten without
-    --resume; --resume without a checkpoint starts over) and write config.json. -> whether to resume."""
+    """Check and prepare the run folder cfg.out and write config.json. -> whether to resume.
+    A folder holding a run (metric lines or a checkpoint) is never overwritten: without --resume the run stops;
+    with it, every field outside RESUME_MAY_CHANGE must equal the saved config.json (else a stop naming each one),
+    and the run continues from checkpoint/ (or checkpoint.old/, restored, after a kill between the two renames of
+    save_checkpoint). --resume without a checkpoint starts over at update 0. Rank 0 opens the --track tracker."""
     run_dir = cfg.out
-    resuming = cfg.resume and os.path.exists(os.path.join(run_dir, CHECKPOINT, "trainer_state.pt"))
-    if read_metrics(run_dir) and not cfg.resume:
+    ckpt = checkpoint_to_resume(run_dir)
+    holds_run = bool(read_metrics(run_dir)) or ckpt is not None
+    if holds_run and not cfg.resume:
         fail(f"{run_dir} already holds a run; pass --resume to continue it or a new --out")
+    saved_path = os.path.join(run_dir, "config.json")
+    if cfg.resume and holds_run and os.path.exists(saved_path):
+        with open(saved_path) as f:
+            changes = config_changes(json.load(f), cfg)
+        if changes:
+            fail(f"--resume: {run_dir} holds a run with other settings: "
+                 + "; ".join(f"--{k} {a!r} there, {b!r} now" for k, a, b in changes)
+                 + f". A resumed run may change only {', '.join('--' + k for k in RESUME_MAY_CHANGE)}; "
+                 f"pass the folder's values or a new --out")
+    resuming = cfg.resume and ckpt is not None
     if rank == 0:
+        if resuming and ckpt != os.path.join(run_dir, CHECKPOINT):   # killed mid-swap: the old one is whole
+            print(f"[seed] --resume: {CHECKPOINT}/ is missing, continuing from {os.path.basename(ckpt)}/", flush=True)
+            os.replace(ckpt, os.path.join(run_dir, CHECKPOINT))
         if cfg.resume and not resuming:
             print(f"[seed] --resume: no checkpoint in {run_dir}; starting at update 0", flush=True)
             if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):   # lines of a run killed before its
                 os.remove(os.path.join(run_dir, "metrics.jsonl"))        # first checkpoint: all redone
         os.makedirs(os.path.join(run_dir, "episodes"), exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg) | {"world_size": world}, f, indent=2)
+        config = dataclasses.asdict(cfg) | {"world_size": world}
+        with open(saved_path, "w") as f:
+            json.dump(config, f, indent=2)
+        if getattr(cfg, "track", ""):
+            open_tracker(run_dir, cfg.track, config)
+    if dist.is_initialized():
+        dist.barrier()   # the other ranks load checkpoint/ only after rank 0 restored it
     return resuming
+
+
+# ----------------------------------------------------------------------------- tracking (--track)
+
+_TRACKERS = {}   # run folder -> its open tracker (rank 0 only): write_metrics logs every line to it
+
+
+class _TensorBoard:
+    """Event files in <run>/tensorboard/: the config as text, every numeric metric as a scalar at step = update."""
+
+    def __init__(self, run_dir, config):
+        from torch.utils.tensorboard import SummaryWriter   # needs the tensorboard package; imported only here
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+        self.writer.flush()
+
+    def log(self, metrics, step):
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+class _WandB:
+    """A wandb run (project $WANDB_PROJECT or "seed", named after the folder, files in <run>/wandb/; offline with
+    WANDB_MODE=offline): the config, every numeric metric against the "update" axis. A resumed run continues the
+    same wandb run (its id is kept in <run>/wandb_id)."""
+
+    def __init__(self, run_dir, config):
+        import wandb   # imported only with --track wandb
+        id_file = os.path.join(run_dir, "wandb_id")
+        run_id = open(id_file).read().strip() if os.path.exists(id_file) else wandb.util.generate_id()
+        with open(id_file, "w") as f:
+            f.write(run_id)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "seed"), dir=run_dir, id=run_id,
+                              resume="allow", name=os.path.basename(os.path.normpath(run_dir)), config=config)
+        self.run.define_metric("update")
+        self.run.define_metric("*", step_metric="update")
+
+    def log(self, metrics, step):
+        self.run.log(metrics | {"update": step})
+
+    def close(self):
+        self.run.finish()
+
+
+def open_tracker(run_dir, kind, config):
+    """Start logging run_dir's metric lines to `kind` (tensorboard | wandb) with the run's config; closed at exit."""
+    import atexit
+    close_tracker(run_dir)
+    tracker = {"tensorboard": _TensorBoard, "wandb": _WandB}[kind](run_dir, config)
+    _TRACKERS[run_dir] = tracker
+    atexit.register(close_tracker, run_dir)
+    return tracker
+
+
+def close_tracker(run_dir):
+    tracker = _TRACKERS.pop(run_dir, None)
+    if tracker is not None:
+        tracker.close()
 
 
 def write_episodes(run_dir, u, records):
@@ -118,9 +304,14 @@ def episode_record(ep):
 
 
 def write_metrics(run_dir, metrics):
+    """One line of metrics.jsonl; the same numbers go to the run's open tracker (--track), at step = update."""
     clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}  # strict JSON
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(clean) + "\n")
+    tracker = _TRACKERS.get(run_dir)
+    if tracker is not None:
+        tracker.log({k: float(v) for k, v in clean.items() if k != "update" and isinstance(v, (int, float))
+                     and not isinstance(v, bool)}, int(metrics.get("update", 0)))
 
 
 def read_metrics(run_dir):
@@ -244,8 +435,9 @@ def save_checkpoint(run_dir, next_update, model, opt, tok, data_rng, engine=None
     if wrote:
         torch.save({"update": next_update, "optimizer": osd, "rng": rngs, "world": world,
                     "data_rng": data_rng.bit_generator.state}, os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final + ".old", ignore_errors=True)   # left by a kill after the swap: os.replace needs it gone
         if os.path.exists(final):
-            os.replace(final, final + ".old")
+            os.replace(final, final + ".old")   # a kill from here to the next rename: checkpoint_to_resume takes .old
         os.replace(tmp, final)
         shutil.rmtree(final + ".old", ignore_errors=True)
     if dist.is_initialized():

@@ -127,6 +127,10 @@ class Config:
     eval_first: bool = False           # also evaluate the starting policy, before update 0 (a line with update -1)
     # -- checkpoints
     save_every: int = 10               # checkpoint every this many updates (and after the last)
+    track: str = ""                    # also log each metrics.jsonl line and the config to tensorboard | wandb ("" = off)
+    webshop_small: bool = True         # WebShop: the 1,000-product catalogue (authors' use_small); no: every product
+    webshop_human_goals: bool = False  # WebShop: human-written goals (authors: False, synthetic goals)
+    webshop_train_from: int = 500      # WebShop: first training goal index (authors 500; test = goals [0, 500))
 
 
 # The env columns of docs/design-notes.md#defaults (ALFWorld = the dataclass defaults); the skill modes are the

@@ -83,6 +83,9 @@ class SFTConfig:
     gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
     replay: int = 0                    # CPU testbed: expert tasks whose warm-start pairs join Stage 1's training
     skill_tasks: int = 0               # CPU testbed: N more expert tasks taught with their skill in the prompt (warm start, or Stage 1 beside --replay; not the method)
+    webshop_small: bool = True         # WebShop: the 1,000-product catalogue (authors' use_small), as seed.py's
+    webshop_human_goals: bool = False  # WebShop: human-written goals (authors: False, synthetic goals), as seed.py's
+    webshop_train_from: int = 500      # WebShop: first training goal index (authors 500), as seed.py's
 
 
 ENV_DEFAULTS = {env: {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(SFTConfig)}}

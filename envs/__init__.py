@@ -58,6 +58,8 @@ def from_config(cfg, split):
         kw["data_dir"] = cfg.data_dir or None
     elif cfg.env == "search":
         kw.update(data=cfg.data_dir or None, retriever_url=cfg.retriever_url)
+    elif cfg.env == "webshop":
+        kw.update(small=cfg.webshop_small, human_goals=cfg.webshop_human_goals, train_from=cfg.webshop_train_from)
     return make(cfg.env, **kw)
 
 

@@ -14,8 +14,14 @@ The lower-cased text inside the action tags (without the tags: the response's la
 characters) goes to the official env as it is, and the official env decides what it can do with it
 (`search[...]` with a non-empty query searches, `click[...]` on a clickable of the page clicks, anything
 else leaves the page as it is). The history keeps what was sent. The adapter reports `score` (the
-official reward in [0, 1]) and `won` (score == 1). Episode reward = 10 * won, as verl-agent trains it. Splits follow the WebShop
-paper's goal indices: test = goals [0, 500), valid = [500, 1500), train = [1500, end).
+official reward in [0, 1]) and `won` (score == 1). Episode reward = 10 * won, as verl-agent trains it.
+
+The data settings are the authors' (verl/trainer/config/ppo_trainer.yaml:372-374, env_manager.py:1174-1184 and
+env_package/webshop/envs.py:141-144 at 2cf2fad), each a flag of seed.py and sft.py: the small catalogue
+(`--webshop_small`, their use_small: True: data/items_shuffle_1000.json; --no-webshop_small: items_shuffle.json),
+synthetic goals (`--webshop_human_goals`, their human_goals: False), and the splits test = goals [0, 500),
+train = [500, end) (`--webshop_train_from 500`; the WebShop paper trains from 1500). valid = [500, 1500) is the
+WebShop paper's; with training from 500 it is not held out.
 One SimServer (products + search engine) is loaded per process and shared by all adapters; each
 adapter has its own session prefix, so a group of envs can play the same goal at once.
 """
@@ -27,25 +33,29 @@ import gymnasium as gym
 
 import envs
 
-SPLITS = {"test": (0, 500), "valid": (500, 1500), "train": (1500, None)}
+SPLITS = {"test": (0, 500), "valid": (500, 1500), "train": (500, None)}   # goal indices; train's start: train_from
+CATALOGUE = {True: "items_shuffle_1000.json", False: "items_shuffle.json"}   # small (1,000 products) or all
 INSTALL = ("install the official WebShop environment: git clone https://github.com/princeton-nlp/WebShop; "
            "cd WebShop; ./setup.sh -d small (or -d all); pip install -e .")
-_SERVERS = {}                 # (num_products, human_goals) -> the official SimServer, loaded once
+_SERVERS = {}                 # (catalogue, num_products, human_goals) -> the official SimServer, loaded once
 _IDS = itertools.count()      # session prefixes: one per adapter instance
 
 
-def official_env(num_products=None, human_goals=True, session_prefix=""):
-    """An official WebAgentTextEnv in text mode, sharing one SimServer per configuration."""
+def official_env(num_products=None, human_goals=False, session_prefix="", small=True):
+    """An official WebAgentTextEnv in text mode on the small or the full catalogue (module docstring), sharing
+    one SimServer per configuration."""
     try:
         from web_agent_site.envs.web_agent_text_env import WebAgentTextEnv
         from web_agent_site.utils import DEFAULT_FILE_PATH
     except ImportError as e:
         raise RuntimeError(f"WebShop needs the `web_agent_site` package ({e}); {INSTALL}") from None
-    if not os.path.exists(DEFAULT_FILE_PATH):
-        raise RuntimeError(f"WebShop product data missing at {DEFAULT_FILE_PATH}; {INSTALL}")
-    key = (num_products, bool(human_goals))
-    env = WebAgentTextEnv(observation_mode="text", num_products=num_products, human_goals=human_goals,
-                          server=_SERVERS.get(key), session_prefix=session_prefix)
+    file_path = os.path.join(os.path.dirname(DEFAULT_FILE_PATH), CATALOGUE[bool(small)])
+    if not os.path.exists(file_path):
+        raise RuntimeError(f"WebShop product data missing at {file_path}; {INSTALL}"
+                           + ("" if small else " (the full catalogue: ./setup.sh -d all)"))
+    key = (file_path, num_products, bool(human_goals))
+    env = WebAgentTextEnv(observation_mode="text", file_path=file_path, num_products=num_products,
+                          human_goals=human_goals, server=_SERVERS.get(key), session_prefix=session_prefix)
     _SERVERS[key] = env.server
     return env
 
@@ -68,11 +78,13 @@ class WebShopEnv(gym.Env):
     invalid_penalty = 0.1
 
     def __init__(self, split="train", max_steps=15, history_length=2, num_products=None,
-                 human_goals=True, text_env=None):
+                 human_goals=False, text_env=None, small=True, train_from=500):
         if split not in SPLITS:
             raise ValueError(f"unknown webshop split {split!r}; choose one of {', '.join(SPLITS)}")
-        self.web = text_env or official_env(num_products, human_goals, f"a{next(_IDS)}-")
-        lo, hi = SPLITS[split]
+        if train_from < SPLITS["test"][1]:
+            raise ValueError(f"webshop train_from {train_from} would train on test goals [0, {SPLITS['test'][1]})")
+        self.web = text_env or official_env(num_products, human_goals, f"a{next(_IDS)}-", small)
+        lo, hi = (train_from, None) if split == "train" else SPLITS[split]
         self.goal_ids = list(range(lo, min(hi or 10**9, len(self.web.server.goals))))
         if not self.goal_ids:
             raise ValueError(f"WebShop split {split!r} is empty: the server holds "

@@ -497,7 +497,7 @@ def test_webshop_adapter_contract_with_stand_in():
     """Stand-in shop (see StandInShop): WebShop's data can't be fetched in this environment."""
     env = envs.make("webshop", split="train", max_steps=15, history_length=2, text_env=StandInShop())
     assert_contract(env, "webshop")
-    assert env.num_tasks == 100 and env.reward_scale == 10.0
+    assert env.num_tasks == 1100 and env.reward_scale == 10.0   # train = goals [500, 1600), the authors' split
     assert webshop.WebShopEnv(split="test", text_env=StandInShop()).num_tasks == 500
     obs, info = env.reset(seed=0)
     assert "Instruction" not in obs and env.task.startswith("i need a ")
