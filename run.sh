@@ -3,7 +3,7 @@
 #   ./run.sh            the embedded CPU run (the EZPoints testbed: warm start, Stage 1, a short Stage 2)
 #   ./run.sh test       the test suite (extra arguments go to pytest)
 #   ./run.sh setup      only install
-#   ./run.sh alfworld|webshop|search|sokoban|ezpoints    the paper's recipe on 8 GPUs
+#   ./run.sh alfworld|webshop|search|sokoban|ezpoints [ROW] [flags]   a paper row on 8 GPUs (ROW: recipe() below)
 #   ./run.sh sokoban_vl|ezpoints_vl   the visual agents (Appendix C.3, Qwen2.5-VL-3B-Instruct) on 8 GPUs
 #   ./run.sh gpu-check  prove the GPU path on this machine (weight sync, sleep/wake, FSDP2, memory model);
 #                       uses an existing venv as it is (no install, no network; SEED_SETUP=1 installs first),
@@ -95,24 +95,59 @@ PY
   echo "[demo] checkpoints: runs/demo-seed/checkpoint (Stage 1: runs/demo-sft, warm start: runs/demo-warmup)"
 }
 
-# The paper's recipe for one benchmark on GPUs: Stage 1 then Stage 2 (150 updates) with the hyperparameters
-# of docs/design-notes.md#defaults (seed.py applies the env's column). The analyzer's defaults are the authors': each
-# episode read whole (16,384-token budget), one greedy call, up to 1,024 new tokens (they allow 4,096), no
-# retries; Stage 1 at temperature 0.4, 30 tasks per ALFWorld family, 10% validation, cosine lr 5e-6, batch 8.
-# Override with MODEL, NGPU, ANALYZER_URL / ANALYZER_MODEL (key in $SEED_ANALYZER_KEY), DATA_DIR, and extra
-# seed.py flags after the env name.
+# The paper's recipe for one benchmark on GPUs, one paper row at a time (README: one command per paper row):
+#   ./run.sh ENV [ROW] [seed.py flags]      ROW (default seed) -> its start and its own run folder runs/ROW-ENV
+#     seed            Stage 1 (runs/sft-ENV), then 150 SEED updates from it                    (Table 1)
+#     grpo, vanilla, opsd, grpo_opsd, rlsd      from the base model, no Stage 1                (Table 1)
+#     skill_prompt, skill_grpo, skill_grpo_star, skill_sd   from the base model, with Stage 1's skill library (Table 1)
+#     wo_sft          SEED from the base model (--init '')                                      (Table 2)
+#     wo_opd          GRPO from the Stage-1 checkpoint                                          (Table 2)
+#     static_skills   OPD with Stage 1's library skills instead of the live analyzer, from Stage 1 (Table 2)
+# --train_fraction F (Table 6) gives the run folder a suffix (runs/ROW-ENV-fF); --out overrides the folder.
+# The hyperparameters are docs/design-notes.md#defaults (seed.py applies the env's column). The analyzer's defaults
+# are the authors': each episode read whole (16,384-token budget), one greedy call, up to 1,024 new tokens (they
+# allow 4,096), no retries; Stage 1 at temperature 0.4, 30 tasks per ALFWorld family, 10% validation, cosine lr
+# 5e-6, batch 8. Override with MODEL, NGPU, ANALYZER_URL / ANALYZER_MODEL (key in $SEED_ANALYZER_KEY), DATA_DIR;
+# NNODES / NODE_RANK / RDZV_ENDPOINT (HOST:PORT) run it on several nodes (README: beyond one node).
+ROWS="seed grpo vanilla opsd grpo_opsd rlsd skill_prompt skill_grpo skill_grpo_star skill_sd wo_sft wo_opd static_skills"
+
 recipe() {
   local env=$1; shift
+  local row=seed
+  if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then row=$1; shift; fi
+  case " $ROWS " in *" $row "*) ;; *)
+    echo "unknown row '$row' for ./run.sh $env; use one of: $ROWS (or seed.py flags after the env)" >&2; exit 2 ;;
+  esac
   local model="${MODEL:-Qwen/Qwen2.5-7B-Instruct}" ngpu="${NGPU:-8}"
   local run=(torchrun --standalone --nproc_per_node="$ngpu")
-  local data=() annot=() shard=()
+  if [ "${NNODES:-1}" -gt 1 ]; then
+    run=(torchrun --nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK}" --nproc_per_node="$ngpu"
+         --rdzv_backend=c10d --rdzv_endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=HOST:PORT}")
+  fi
+  local data=() annot=() shard=() start=()
   [ -n "${DATA_DIR:-}" ] && data=(--data_dir "$DATA_DIR")
   [ -n "${ANALYZER_URL:-}" ] && annot=(--analyzer_url "$ANALYZER_URL" --analyzer_model "${ANALYZER_MODEL:?set ANALYZER_MODEL}")
   # bench/memory.py: at micro-batch 8 of 2048 + 512 tokens no model fits without gradient checkpointing,
   # and from 3B on DDP's full float32 copies (parameters, gradients, AdamW) do not fit beside vLLM's share
   shard=(--gradient_checkpointing)
   case "$model" in *3B*|*3b*|*4B*|*4b*|*7B*|*7b*|*8B*|*8b*|*14B*|*14b*) shard+=(--fsdp) ;; esac
-  if [ "$env" = webshop ] && [ -z "${ANALYZER_URL:-}" ]; then
+  # each row: its algorithm, its start (Stage-1 checkpoint or the base model), whether it needs Stage 1
+  local algo=$row stage1=1
+  case "$row" in
+    seed|static_skills) start=(--init "runs/sft-$env") ;;
+    wo_opd)             algo=grpo; start=(--init "runs/sft-$env") ;;
+    wo_sft)             algo=seed; start=(--init ''); stage1=0 ;;
+    grpo|vanilla|opsd|grpo_opsd|rlsd) start=(--init ''); stage1=0 ;;
+    skill_prompt|skill_grpo|skill_grpo_star|skill_sd)
+                        start=(--init '' --skill_library "runs/sft-$env/skills.jsonl") ;;
+  esac
+  local out="runs/$row-$env" prev=""
+  for a in "$@"; do   # Table 6: a run folder per training share
+    [ "$prev" = --train_fraction ] && out="$out-f$a"
+    case "$a" in --train_fraction=*) out="$out-f${a#--train_fraction=}" ;; esac
+    prev=$a
+  done
+  if [ "$stage1" = 1 ] && [ "$env" = webshop ] && [ -z "${ANALYZER_URL:-}" ] && [ ! -f "runs/sft-$env/stage1.json" ]; then
     echo "WebShop's Stage 1 needs an external analyzer: set ANALYZER_URL and ANALYZER_MODEL" >&2; exit 2
   fi
   if [ "$env" = search ]; then   # the BM25 retriever server (Search-R1 protocol) on loopback
@@ -131,12 +166,13 @@ else:
     raise SystemExit("the retriever at http://127.0.0.1:8000 did not come up")
 PY
   fi
-  if [ ! -f "runs/sft-$env/stage1.json" ]; then   # Stage 1 (resumes from its cache when interrupted)
+  if [ "$stage1" = 1 ] && [ ! -f "runs/sft-$env/stage1.json" ]; then   # Stage 1 (resumes from its cache)
     PATH="$VENV/bin:$PATH" "${run[@]}" sft.py --env "$env" --model "$model" --out "runs/sft-$env" \
       "${data[@]}" "${annot[@]}" "${shard[@]}"
   fi
-  PATH="$VENV/bin:$PATH" "${run[@]}" seed.py --env "$env" --model "$model" --init "runs/sft-$env" \
-    --algo seed --out "runs/seed-$env" --updates 150 --resume "${data[@]}" "${shard[@]}" "$@"
+  echo "[${out#runs/}] seed.py --algo $algo ${start[*]} --out $out" >&2
+  PATH="$VENV/bin:$PATH" "${run[@]}" seed.py --env "$env" --model "$model" "${start[@]}" \
+    --algo "$algo" --out "$out" --updates 150 --resume "${data[@]}" "${shard[@]}" "$@"
 }
 
 # Appendix C.3's visual agents: Qwen2.5-VL-3B-Instruct on image Sokoban (the 6x6 room as a 96 x 96 image) and
