@@ -62,7 +62,7 @@ SEED_CASES = [
 def test_seed_flag_out_of_range_stops_at_start_up(flag, value, words, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(seed, "build_run", lambda cfg: pytest.fail("got past the start-up checks"))
     with pytest.raises(SystemExit) as e:
-        seed.main(BASE + ["--out", str(tmp_path / "run"), f"--{flag}", value])
+        seed.main(BASE + ["--out", str(tmp_path / "run"), f"--{flag}={value}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and words in err, err
 
@@ -83,7 +83,7 @@ SFT_CASES = [
 def test_sft_flag_out_of_range_stops_at_start_up(flag, value, words, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sft.parallel, "setup_dist", lambda s: pytest.fail("got past the start-up checks"))
     with pytest.raises(SystemExit) as e:
-        sft.main(["--env", "sokoban", "--out", str(tmp_path / "ckpt"), f"--{flag}", value])
+        sft.main(["--env", "sokoban", "--out", str(tmp_path / "ckpt"), f"--{flag}={value}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and words in err, err
 
