@@ -257,7 +257,7 @@ class _WandB:
     def __init__(self, run_dir, config):
         import wandb   # imported only with --track wandb
         id_file = os.path.join(run_dir, "wandb_id")
-        run_id = open(id_file).read().strip() if os.path.exists(id_file) else wandb.util.generate_id()
+        run_id = open(id_file).read().strip() if os.path.exists(id_file) else os.urandom(6).hex()
         with open(id_file, "w") as f:
             f.write(run_id)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "seed"), dir=run_dir, id=run_id,
