@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import envs
 import rollout
 import vision
 from envs import IMAGE
@@ -517,9 +518,9 @@ SKILL_FILE = "skills.jsonl"    # the skill library that sft.py writes next to it
 
 
 def task_key(env_name, task, first_observation=""):
-    """The text a library entry is filed and looked up by: the task text; for Sokoban, whose task text is the
-    same in every room, the task followed by the starting room (the board of the first observation)."""
-    return f"{task}\n{first_observation}".strip() if env_name == "sokoban" else task
+    """The text a library entry is filed and looked up by: the task text; for an env whose task text is the same in
+    every task (its class's observation_in_task_key: Sokoban), the task followed by the first observation."""
+    return f"{task}\n{first_observation}".strip() if envs.env_class(env_name).observation_in_task_key else task
 
 
 def episode_key(ep):

@@ -12,7 +12,9 @@ Attributes: `name`, `task` (the task text), `family` (task family, e.g. "heat" f
 distinct task ids the split holds). Class attributes, the env's own switches: `task_line` (the prompt holds one
 line starting with it, after which `insert_skill` puts a skill block), `eval_splits` (the held-out splits
 seed.py evaluates on), `response_format` ("tags": <think>/<action>; "json": EZPoints' {"thoughts", "action"}),
-`defaults` (its column of docs/design-notes.md#defaults: seed.py's and sft.py's flags for `--env <name>`).
+`observation_in_task_key` (the skill library keys on the task text plus the first observation, where the task
+text alone does not tell tasks apart), `defaults` (its column of docs/design-notes.md#defaults: seed.py's and
+sft.py's flags for `--env <name>`).
 README, "Adding an environment": the steps, with tests/conftest.py's ToyEnv as the template. `info` holds `won`, `valid` (the env's
 projection accepted the response), `action` (what the env executed: the projection's output, also for
 an invalid response where the authors' projection still passes something on; "" when nothing was

@@ -284,6 +284,7 @@ class AlfWorldEnv(gym.Env):
     task_line = "Your task is to:"   # the prompt's task line (envs.insert_skill puts the episode skill after it)
     eval_splits = ("valid_seen", "valid_unseen")   # held-out splits seed.py evaluates on
     response_format = "tags"         # <think>...</think><action>...</action> (envs.RESPONSE_SPANS)
+    observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
     defaults = dict()                # seed.Config's and sft.SFTConfig's defaults are ALFWorld's
 
     def __init__(self, data_dir=None, split="train", history_length=5, max_steps=30):

@@ -194,6 +194,7 @@ class EZPointsEnv(gym.Env):
     task_line = "Your task is to:"   # the prompt's task line (envs.insert_skill puts the episode skill after it)
     eval_splits = ("test",)          # held-out splits seed.py evaluates on
     response_format = "json"         # {"thoughts": ..., "action": ...}, the authors' gym_cards format
+    observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
     defaults = dict(max_steps=5, history_length=2, max_prompt_tokens=1024, max_tokens=256,
                     skill_mode="episode_only", max_step_skills=0)   # the authors' launcher (docs/design-notes.md)
 

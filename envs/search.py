@@ -189,6 +189,7 @@ class SearchEnv(gym.Env):
     task_line = "Your question:"    # the prompt's task line (envs.insert_skill puts the episode skill after it)
     eval_splits = ("test",)          # held-out splits seed.py evaluates on
     response_format = "tags"         # <think> spans as the others' (no <action>: no action tokens)
+    observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
     defaults = dict(tasks_per_update=128, max_steps=4, history_length=4, max_prompt_tokens=4096,
                     kl_coef=0.001, ent_coef=0.0, max_step_skills=2)   # the authors' launcher (docs/design-notes.md)
 

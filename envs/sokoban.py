@@ -190,6 +190,7 @@ class SokobanEnv(gym.Env):
     task_line = "Your task is to:"   # the prompt's task line (envs.insert_skill puts the episode skill after it)
     eval_splits = ("test",)          # held-out splits seed.py evaluates on
     response_format = "tags"         # <think>...</think><action>...</action> (envs.RESPONSE_SPANS)
+    observation_in_task_key = True    # one task text for every room: the library keys on it + the first board
     defaults = dict(max_steps=15, history_length=2, max_prompt_tokens=1024, max_tokens=256,
                     skill_mode="episode_only", max_step_skills=2)   # the authors' launcher (docs/design-notes.md)
 
