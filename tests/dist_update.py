@@ -49,7 +49,7 @@ def fixed_rows(model, n=8):
 
 
 def reference_pass(out, rank, world, device):
-    """The frozen reference as seed.load_models wraps it (FSDP2, trainable=False) and its no-grad pass
+    """The frozen reference as rollout.load_policy wraps it (FSDP2, trainable=False) and its no-grad pass
     (grpo.batch_logprobs): which parameters are plain (gathered) tensors after a bare forward and after
     the pass. Writes {"after_forward": [...], "after_pass": [...], "dtensors": n, "params": n} per rank."""
     from torch.distributed.tensor import DTensor
