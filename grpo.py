@@ -15,8 +15,8 @@ episode (the prompt the actor saw and the response it sampled).
 
 `response_logprobs` is the one place a batch's token log-probs are computed (old, reference, skill-context
 and the training forward all go through it); `batch_logprobs` is the one no-grad pass over many rows
-(micro-batches, FSDP filler forwards, autocast, trimming): log pi_old, log pi_ref and opd's re-scoring. `make_rows` turns an
-update's episodes into its training `Rows` (one per step, with its advantage).
+(micro-batches, FSDP filler forwards, autocast, trimming): log pi_old, log pi_ref and opd's re-scoring.
+`make_rows` turns an update's episodes into its training `Rows` (one per step, with its advantage).
 """
 from dataclasses import dataclass
 

@@ -425,10 +425,10 @@ class HFEngine:
 
 # ----------------------------------------------------------------------------- rollouts
 
-def _start(envs, tasks, group_size):
+def _start(env_list, tasks, group_size):
     """Reset every env on its task; episode j*group_size+i plays tasks[j] (group j)."""
     episodes, observations = [], []
-    for k, env in enumerate(envs):
+    for k, env in enumerate(env_list):
         j = k // group_size
         obs, info = env.reset(seed=int(tasks[j]))
         episodes.append(Episode(task_id=int(tasks[j]), group_id=j, env=env.name,
@@ -452,28 +452,28 @@ def _prompt(env, tokenizer, skill, limit):
     return text, ids[-limit:], len(ids) > limit
 
 
-def collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tokens=512, skills=None,
+def collect(engine, tokenizer, env_list, tasks, group_size, temperature=1.0, max_tokens=512, skills=None,
             progress=True):
     """Play len(tasks) * group_size episodes at once (Algorithm 1, "collect"); -> [Episode].
     Every turn, one `generate` call for all live episodes; each env parses its own response."""
     from tqdm import tqdm
-    if len(envs) != len(tasks) * group_size:
+    if len(env_list) != len(tasks) * group_size:
         raise ValueError(f"collect needs len(tasks) * group_size = {len(tasks) * group_size} envs, "
-                         f"got {len(envs)}")
+                         f"got {len(env_list)}")
     limit = engine.max_model_len - max_tokens  # prompt room left for a full response
     if limit <= 0:
         raise ValueError(f"max_tokens={max_tokens} leaves no room for a prompt in the engine's "
                          f"max_model_len={engine.max_model_len}")
-    episodes, observations = _start(envs, tasks, group_size)
-    live, truncated_prompts = list(range(len(envs))), 0
-    bar = tqdm(total=max(env.max_steps for env in envs), desc="collect", unit="turn", disable=not progress)
+    episodes, observations = _start(env_list, tasks, group_size)
+    live, truncated_prompts = list(range(len(env_list))), 0
+    bar = tqdm(total=max(env.max_steps for env in env_list), desc="collect", unit="turn", disable=not progress)
     while live:
-        prompts = [_prompt(envs[k], tokenizer, skills[k // group_size] if skills else None, limit)
+        prompts = [_prompt(env_list[k], tokenizer, skills[k // group_size] if skills else None, limit)
                    for k in live]
         outs = engine.generate([ids for _, ids, _ in prompts], temperature, max_tokens)
         still = []
         for k, (text, ids, cut), (resp_ids, lps) in zip(live, prompts, outs):
-            env, ep = envs[k], episodes[k]
+            env, ep = env_list[k], episodes[k]
             resp_text = tokenizer.decode(resp_ids, skip_special_tokens=True)  # exactly what the env gets
             obs, reward, terminated, truncated, info = env.step(resp_text)
             ep.steps.append(Step(prompt_text=text, prompt_ids=ids, response_ids=list(resp_ids),
@@ -500,15 +500,15 @@ def collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tok
 
 # ----------------------------------------------------------------------------- evaluation and statistics
 
-def evaluate(engine, tokenizer, envs, task_ids, temperature=0.4, max_tokens=512, skills=None, progress=False):
-    """One episode of each task at the eval temperature, len(envs) tasks at a time; `skills` (one per task)
+def evaluate(engine, tokenizer, env_list, task_ids, temperature=0.4, max_tokens=512, skills=None, progress=False):
+    """One episode of each task at the eval temperature, len(env_list) tasks at a time; `skills` (one per task)
     in the prompt when given, else the plain policy. -> [(family, won, length, invalid steps, reward)], one per
     task."""
     out = []
-    for i in range(0, len(task_ids), max(len(envs), 1)):
-        chunk = list(task_ids[i:i + len(envs)])
-        eps = collect(engine, tokenizer, envs[:len(chunk)], chunk, 1, temperature=temperature, max_tokens=max_tokens,
-                      skills=skills[i:i + len(chunk)] if skills else None, progress=progress)
+    for i in range(0, len(task_ids), max(len(env_list), 1)):
+        chunk = list(task_ids[i:i + len(env_list)])
+        eps = collect(engine, tokenizer, env_list[:len(chunk)], chunk, 1, temperature=temperature,
+                      max_tokens=max_tokens, skills=skills[i:i + len(chunk)] if skills else None, progress=progress)
         out += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps), float(ep.reward))
                 for ep in eps]
     return out

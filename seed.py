@@ -312,7 +312,7 @@ def update_policy(run, rows, order=None, update=0):
 
 
 def optimizer_step(run, norms, update):
-    """Clip the global grad norm, step AdamW; skip a non-finite norm (as the authors' dp_actor), MAX_SKIPS in a row stop."""
+    """Clip the global grad norm, step AdamW; skip a non-finite norm (the authors' dp_actor); MAX_SKIPS in a row stop."""
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)   # global: every rank agrees
     if math.isfinite(norm):

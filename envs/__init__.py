@@ -15,8 +15,9 @@ seed.py evaluates on), `response_format` ("tags": <think>/<action>; "json": EZPo
 `observation_in_task_key` (the skill library keys on the task text plus the first observation, where the task
 text alone does not tell tasks apart), `defaults` (its column of docs/design-notes.md#defaults: seed.py's and
 sft.py's flags for `--env <name>`).
-README, "Adding an environment": the steps, with tests/conftest.py's ToyEnv as the template. `info` holds `won`, `valid` (the env's
-projection accepted the response), `action` (what the env executed: the projection's output, also for
+README, "Adding an environment": the steps, with tests/conftest.py's ToyEnv as the template. `info` holds
+`won`, `valid` (the env's projection accepted the response), `action` (what the env executed: the projection's
+output, also for
 an invalid response where the authors' projection still passes something on; "" when nothing was
 executed), `admissible` (list of actions, when the env has such a list) and, from `reset`,
 `expert_plan` where the env can compute one (used by the scripted analyzer of Stage 1).
