@@ -17,10 +17,9 @@ text alone does not tell tasks apart), `defaults` (its column of docs/design-not
 sft.py's flags for `--env <name>`).
 README, "Adding an environment": the steps, with tests/conftest.py's ToyEnv as the template. `info` holds
 `won`, `valid` (the env's projection accepted the response), `action` (what the env executed: the projection's
-output, also for
-an invalid response where the authors' projection still passes something on; "" when nothing was
-executed), `admissible` (list of actions, when the env has such a list) and, from `reset`,
-`expert_plan` where the env can compute one (used by the scripted analyzer of Stage 1).
+output, also for an invalid response where the authors' projection still passes something on; "" when nothing
+was executed), `admissible` (list of actions, when the env has such a list) and, from `reset`, `expert_plan`
+where the env can compute one (used by the scripted analyzer of Stage 1).
 Validity and what is executed follow each env's projection in the authors' code
 (agent_system/environments/env_package/*/projection.py at 2cf2fad): a format rule, not admissibility
 (ALFWorld sends an inadmissible command to the game, which answers "Nothing happens."). `step` never
