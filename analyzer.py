@@ -537,9 +537,9 @@ def words(text):
 
 class SkillLibrary:
     """Stage-1 skills, one JSON line each: {"env", "family", "task", "skill"} ("task": task_key's text).
-    `retrieve` serves the library baselines (an Algo with skills="library"): among the env's skills the same family first (any
-    family when it has none), in it an entry with the same task text (whitespace aside), else the best BM25
-    match of the task text over `words`."""
+    `retrieve` serves the library baselines (seed.Algo skills="library"): among the env's skills the same family
+    first (any family when it has none), in it an entry with the same task text (whitespace aside), else the best
+    BM25 match of the task text over `words`."""
 
     def __init__(self, entries=None):
         self.entries = list(entries or [])
