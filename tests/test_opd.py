@@ -161,17 +161,17 @@ def test_rescore_same_tokens_skill_after_task_line(smol):
     # what the model saw: each row = the skill prompt's chat ids + the SAME response ids
     fed = [ids[am.bool()].tolist() for ids_b, am_b in seen for ids, am in zip(ids_b, am_b)]
     for s, skill in zip(steps, [SKILL, None, SKILL]):
-        prompt = opd.skill_prompt_ids(tok, s, skill, "alfworld") if skill else s.prompt_ids
+        prompt = opd.skill_prompt_ids(tok, s, skill) if skill else s.prompt_ids
         assert prompt + s.response_ids in fed
     # the skill appears once, on the line right after the task line, in the chat-templated text
-    text = tok.decode(opd.skill_prompt_ids(tok, steps[0], SKILL, "alfworld"))
+    text = tok.decode(opd.skill_prompt_ids(tok, steps[0], SKILL))
     assert text.count(SKILL) == 1
     lines = text.split("\n")
     at = next(i for i, ln in enumerate(lines) if ln.startswith("Your task is to:"))
     assert lines[at + 1:at + 6] == [""] + envs.skill_section(envs.EPISODE_SKILL, SKILL).split("\n") + [""]
     # the values: equal to a naive unpadded per-row computation
     for i, (s, skill) in enumerate(zip(steps, [SKILL, None, SKILL])):
-        prompt = opd.skill_prompt_ids(tok, s, skill, "alfworld") if skill else s.prompt_ids
+        prompt = opd.skill_prompt_ids(tok, s, skill) if skill else s.prompt_ids
         n = len(s.response_ids)
         assert (lp_skill[i, :n].double() - _naive(model, prompt, s.response_ids)).abs().max() < 1e-4
         assert (lp_skill[i, n:] == 0).all()
@@ -227,7 +227,7 @@ def test_teacher_context_holds_the_chosen_sections(tokenizer):
     both (episode after the task line, step before the turn instruction), an episode row the episode one."""
     ep = _analyzed("Heat the apple in the microwave first.", {1: "Open the microwave now."})
     step = ep.steps[1]
-    text = lambda sk: tokenizer.decode(opd.skill_prompt_ids(tokenizer, step, sk, "alfworld"))
+    text = lambda sk: tokenizer.decode(opd.skill_prompt_ids(tokenizer, step, sk))
     cfg = lambda mode, teacher: type("Cfg", (), {"skill_mode": mode, "skill_teacher_mode": teacher})
     prio = text(opd.row_teachers([ep], cfg("episode_step", "step_priority"))[1])
     assert "Critical-Step Skill" in prio and "Open the microwave now." in prio and "Episode-Level Skill" not in prio

@@ -132,7 +132,7 @@ def test_rescore_keeps_the_images_and_inserts_the_skill_as_text(tiny_vl, vl):
     skill = "Push the box toward the target from the side opposite to it."
     plain = opd.rescore(model, tok, steps, [None] * len(steps))
     with_skill = opd.rescore(model, tok, steps, [skill] * len(steps))
-    ids = opd.skill_prompt_ids(tok, steps[0], skill, "sokoban")
+    ids = opd.skill_prompt_ids(tok, steps[0], skill)
     assert ids.images == steps[0].prompt_ids.images and len(ids) > len(steps[0].prompt_ids)
     for i, s in enumerate(steps):
         n = len(s.response_ids)
