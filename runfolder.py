@@ -325,7 +325,7 @@ def read_metrics(run_dir):
 def plot_curves(run_dir, lines):
     """curves.png: success (train and eval), episode length, invalid-action rate (train and eval), OPD loss,
     gate mean +- std, KL to the reference, the teacher's shift on action tokens (delta percentiles, gate std)
-    and the share of tied groups with the gate-advantage covariance (seed.teacher_diagnostics)."""
+    and the share of tied groups with the gate-advantage covariance (opd.teacher_diagnostics)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,10 +15,9 @@ Collection and annotation are cached under <out>/stage1/ (one JSON line per epis
 a restarted run reuses the episodes and sends nothing twice to the analyzer. Runs under plain python or
 torchrun (each rank collects and annotates its share of the tasks; training is DDP or FSDP2 as in seed.py).
 
-`--stage warmup` is not part of the method: the CPU testbed's warm start (README) for a model too small to
-write the action format (the embedded 135M model; the paper's backbones start from the instruct model).
-The env's expert plays --tasks tasks and the model is fine-tuned, with the same loss and loop, on
-actor prompt -> the expert's move in the env's response format; the loss on held-out tasks is reported.
+`--stage warmup`, `--replay` and `--skill_tasks` are not part of the method: the CPU testbed (testbed.py) for
+a model too small to write the action format (the embedded 135M model; the paper's backbones start from the
+instruct model). They reuse this file's task draw, split and fine-tuning loop.
 """
 import dataclasses
 import gc
@@ -39,7 +38,6 @@ import grpo
 import parallel
 import rollout
 import runfolder
-import seed
 from rollout import Episode, Step
 
 
@@ -89,7 +87,7 @@ class SFTConfig:
 
 
 ENV_DEFAULTS = {env: {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(SFTConfig)}}
-                for env, d in seed.ENV_DEFAULTS.items()}
+                for env, d in envs.defaults().items()}   # each env class's column, as seed.py's
 for _env in ("sokoban", "ezpoints"):          # the authors' Sokoban / EZPoints Stage 1
     ENV_DEFAULTS[_env].update(temperature=1.0, lr=2e-6)
 BETAS = (0.9, 0.95)                           # AdamW betas of the authors' SFT trainer
@@ -100,9 +98,11 @@ def validate(cfg):
                                  "annotate_batch", "analyzer_max_tokens", "analyzer_max_prompt_tokens"))
     if cfg.stage not in ("analyzer", "warmup"):
         runfolder.fail(f"unknown --stage {cfg.stage!r}; choose analyzer or warmup")
-    if (cfg.stage == "warmup" or cfg.replay or cfg.skill_tasks) and cfg.env not in EXPERT_THOUGHTS:
-        runfolder.fail(f"--stage warmup (and --replay, --skill_tasks) needs an env with an expert: "
-                       f"{', '.join(EXPERT_THOUGHTS)}")
+    if cfg.stage == "warmup" or cfg.replay or cfg.skill_tasks:
+        import testbed   # the CPU testbed (not the method): imported only where its flags ask for it
+        if cfg.env not in testbed.EXPERT_THOUGHTS:
+            runfolder.fail(f"--stage warmup (and --replay, --skill_tasks) needs an env with an expert: "
+                           f"{', '.join(testbed.EXPERT_THOUGHTS)}")
     if bool(cfg.analyzer_url) != bool(cfg.analyzer_model):
         runfolder.fail("the external analyzer needs both --analyzer_url and --analyzer_model")
     if cfg.skill_mode not in analyzer.SKILL_MODES or cfg.max_step_skills < 0:
@@ -123,7 +123,8 @@ def episode_to_json(key, ep):
 
 def episode_from_json(d):
     e = dict(d["episode"])
-    e["steps"] = [Step(**s) for s in e["steps"]]
+    e["steps"] = [Step(**{"engine_logprobs" if k == "old_logprobs" else k: v for k, v in s.items()})   # older caches
+                  for s in e["steps"]]
     return Episode(**e)
 
 
@@ -342,153 +343,14 @@ def finetune(cfg, examples, val, rank, world, device):
     return wrapped, tok, log, val_log
 
 
-# ----------------------------------------------------------------------------- the warm start (CPU testbed)
-
-EZ_TRACK = "The formula so far is {formula}, so the next token is {action}."   # EZPoints: where the formula stands
-EXPERT_THOUGHTS = {   # the one-sentence thought of a warm-start target, per env with an expert
-    "alfworld": "To complete the task, my next step is to {action}.",
-    "sokoban": "On the shortest way to push the box onto the target, my next move is {action}.",
-    # the solution, then the formula so far, whose next token in the solution is the action (README, quick start)
-    "ezpoints": "{solution} = 12. " + EZ_TRACK,
-}
-
-
-def expert_response(env, action=None):
-    """The expert's next action (env.expert_action, or `action` where given) as a response in the env's
-    format, after a short thought (EXPERT_THOUGHTS; EZPoints' states the solution and the formula so far, so
-    that the action is the solution's next token): EZPoints a JSON object {"thoughts", "action"} (the authors' gym_cards format), the others
-    <think>...</think><action>...</action>. None when the expert has no move here. A warm-start example with a
-    skill in its prompt (--skill_tasks) has this same target: the teacher and the student write one kind of
-    response, so that lp_skill - lp measures what the skill changes in it, not a change of style."""
-    action = action or env.expert_action()
-    if action is None:
-        return None
-    if env.name == "ezpoints":
-        solution, formula = env.expert_formula(), " ".join(env.formula) or "empty"
-        thought = EXPERT_THOUGHTS["ezpoints"].format(solution=" ".join(solution), action=action, formula=formula)
-        return json.dumps({"thoughts": thought, "action": action})
-    thought = EXPERT_THOUGHTS[env.name].format(action=action)
-    return f"<think>{thought}</think><action>{action}</action>"
-
-
-def scripted_skill(env, info, won, rng):
-    """The scripted annotator's skill for the task `env` was just reset on (its expert plan in `info`), written
-    as for a won episode (a workflow) or a failed one (an avoidance rule that ends with the key steps). The failed
-    episode is simulated (1 to max_steps steps, each invalid with probability 1/3, else a random admissible
-    action), so that the rule's problems vary as those of the policy's own failures do."""
-    steps = []
-    for _ in range(0 if won else int(rng.integers(1, env.max_steps + 1))):
-        valid = bool(rng.random() > 1 / 3)
-        action = str(rng.choice(info["admissible"])) if valid else ""
-        steps.append(Step("", [], [], "", [], "", action, valid))
-    ep = Episode(task_id=0, group_id=0, env=env.name, task=env.task, family=env.family, steps=steps, won=won,
-                 info={**info, "hidden": False})   # a demonstration walks the route its skill names, failure or not
-    return analyzer.scripted_analysis(ep, env.max_steps)["episode_skill"]
-
-
-def search_actions(env, route, rng, skip=()):
-    """A hidden-object room's plain demonstration (envs/alfworld_gen.py --hidden; the CPU testbed): a searcher
-    who does not know where the object is goes to the room's receptacles in a seeded random order (the goal's
-    and those in `skip` excluded), opening the closed ones, until the object is in reach; then the stored direct
-    `route` from its take on. A generator: each next() reads the env as the previous action left it."""
-    take = next(i for i, a in enumerate(route) if a.startswith("take "))
-    goal = route[take + 1].removeprefix("go to ") if take + 1 < len(route) else None
-    spots = [a.removeprefix("go to ") for a in env.admissible if a.startswith("go to ")]
-    for where in rng.permutation([w for w in spots if w != goal and w not in skip]):
-        yield f"go to {where}"
-        if f"open {where}" in env.admissible:
-            yield f"open {where}"
-        if route[take] in env.admissible:
-            break
-    yield from route[take:]
-
-
-def elimination_demo(env, route, rng):
-    """A hidden-object room's skill demonstration in the failure form (the CPU testbed): the skill names 1 or
-    more places that do not hold the object, as analyzer.not_found_rule words a failure that saw them empty, and
-    the target searches only the others (search_actions). -> (skill, route generator)"""
-    obj, where, goal = analyzer.hidden_target(route)
-    empty = [a.removeprefix("go to ") for a in env.admissible
-             if a.startswith("go to ") and a.removeprefix("go to ") not in (where, goal)]
-    seen = [str(w) for w in rng.permutation(empty)[:int(rng.integers(1, len(empty) + 1))]]
-    return analyzer.not_found_rule(obj, seen), search_actions(env, route, rng, skip=seen)
-
-
-def expert_examples(cfg, tok, tasks, split="train", skills=False):
-    """The env's expert plays each task; every step gives one pair (the actor prompt's chat ids, exactly as
-    rollout.collect builds them -> the expert's move in the env's response format (expert_response)
-    + end of turn). The target is what the env receives, so each step is valid by construction (a test
-    replays them). `skills` (--skill_tasks; the CPU testbed, not the method): True puts each task's scripted
-    skill (scripted_skill, workflow or avoidance form by a seeded coin) in the actor prompt, with the same
-    target; in ALFWorld that target follows the route the skill names (the stored walkthrough: in a hidden-object
-    room the direct one). A hidden-object room's plain target searches at random (search_actions), and half its
-    skill demonstrations, by the coin, are in the failure form that names only empty places (elimination_demo).
-    -> one list of pairs per task ([] where the expert did not win)."""
-    env, out = envs.from_config(cfg, split), []
-    coin = np.random.default_rng([cfg.seed, 3])
-    for t in tasks:
-        _, info = env.reset(seed=int(t))
-        plan, hidden = list(info.get("expert_plan") or []), info.get("hidden")
-        skill = scripted_skill(env, info, bool(coin.integers(2)), coin) if skills else None
-        route = (iter(plan) if skills and env.name == "alfworld" else
-                 search_actions(env, plan, coin) if hidden else iter(()))
-        if skills and hidden and coin.integers(2):
-            skill, route = elimination_demo(env, plan, coin)
-        pairs, won, done = [], False, False
-        while not done and (target := expert_response(env, next(route, None))) is not None:
-            _, ids, _ = rollout._prompt(env, tok, skill, cfg.max_prompt_tokens)
-            pairs.append((ids, tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
-            _, _, terminated, truncated, info = env.step(target)
-            won, done = bool(info.get("won")), terminated or truncated
-        out.append(pairs if won else [])
-    return out
-
-
-def ids_have_skill(tok, ids):
-    return envs.EPISODE_SKILL[0] in tok.decode(ids)
-
-
-def warmup(cfg, rank, world, device):
-    """Behaviour cloning on expert episodes (docs/design-notes.md, the CPU testbed): a model too small to write the action
-    format learns it before Stage 1. Tasks are split (seeded) into training and held-out ones
-    (--val_fraction); the held-out loss is reported after every epoch. Same loss and loop as Stage 1
-    (finetune: completion-only token-mean NLL). Writes an HF checkpoint, sft_log.jsonl and warmup.json."""
-    t0 = time.time()
-    tok = _tokenizer(cfg.model)
-    tasks = draw_tasks(envs.from_config(cfg, "train"), cfg.tasks, np.random.default_rng(cfg.seed))
-    per_task = expert_examples(cfg, tok, tasks)
-    if cfg.skill_tasks:   # N more tasks (a seeded draw of their own) taught with their skill in the prompt
-        more = draw_tasks(envs.from_config(cfg, "train"), cfg.skill_tasks, np.random.default_rng([cfg.seed, 2]))
-        per_task += expert_examples(cfg, tok, more, skills=True)
-    train, val = split_pairs(per_task, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))   # by task
-    train, val = [x for t in train for x in t], [x for t in val for x in t]
-    if not train:
-        runfolder.fail(f"the expert won none of the {len(tasks)} training tasks within --max_steps {cfg.max_steps}")
-    if rank == 0:
-        print(f"[warmup] expert won {sum(bool(t) for t in per_task)}/{len(per_task)} tasks: {len(train)} training "
-              f"and {len(val)} held-out steps", flush=True)
-    model, tok, log, val_log = finetune(cfg, train, val, rank, world, device)
-    if runfolder.save_model(model, tok, cfg.out, rank):
-        with open(os.path.join(cfg.out, "sft_log.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in log)
-        summary = {"config": dataclasses.asdict(cfg), "world_size": world, "tasks": len(per_task),
-                   "expert_won": sum(bool(t) for t in per_task), "train_steps": len(train), "val_steps": len(val),
-                   "skill_steps": sum(ids_have_skill(tok, x[0]) for x in train + val),
-                   "train_loss": [log[0]["loss"], log[-1]["loss"]], "val_loss": val_log, "sec/total": time.time() - t0}
-        with open(os.path.join(cfg.out, "warmup.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"[warmup] saved {cfg.out} (loss {log[0]['loss']:.3f} -> {log[-1]['loss']:.3f}, held-out "
-              f"{val_log[-1] if val_log else float('nan'):.3f}; {summary['sec/total']:.0f} s)", flush=True)
-    parallel.teardown_dist()
-
-
 def main(argv=None):
     cfg = runfolder.parse_config(argv, SFTConfig, ENV_DEFAULTS, __doc__)
     cfg.out = cfg.out or os.path.join("runs", f"{'warmup' if cfg.stage == 'warmup' else 'sft'}-{cfg.env}")
     validate(cfg)
     rank, world, device = parallel.setup_dist(cfg.seed)
     if cfg.stage == "warmup":
-        return warmup(cfg, rank, world, device)
+        import testbed
+        return testbed.warmup(cfg, rank, world, device)
     cache = os.path.join(cfg.out, "stage1")
     os.makedirs(cache, exist_ok=True)
     t0 = time.time()
@@ -504,19 +366,9 @@ def main(argv=None):
     if not examples:
         runfolder.fail("no annotation parsed: nothing to fine-tune on (see the labels in " + cache + ")")
     train, val = split_pairs(examples, cfg.val_fraction, np.random.default_rng([cfg.seed, 1]))
-    if cfg.replay:   # the testbed's tiny model forgets the action format on analyses alone (README)
-        more = draw_tasks(probe, cfg.replay, np.random.default_rng([cfg.seed, 2]))
-        replay = [x for t in expert_examples(cfg, tok, more) for x in t]
-        train = train + replay
-        if rank == 0:
-            print(f"[sft] replay: {len(replay)} expert steps of {cfg.replay} tasks join the training pairs", flush=True)
-    if cfg.skill_tasks:   # keeps skill-following alive through Stage 1 (the CPU testbed, not the method)
-        more = draw_tasks(probe, cfg.skill_tasks, np.random.default_rng([cfg.seed, 5]))
-        taught = [x for t in expert_examples(cfg, tok, more, skills=True) for x in t]
-        train = train + taught
-        if rank == 0:
-            print(f"[sft] skill replay: {len(taught)} expert steps of {cfg.skill_tasks} tasks with their skill "
-                  f"in the prompt join the training pairs", flush=True)
+    if cfg.replay or cfg.skill_tasks:   # the CPU testbed's expert pairs (testbed.py; not the method)
+        import testbed
+        train = train + testbed.stage1_extras(cfg, tok, probe, rank)
     if rank == 0:
         print(f"[sft] {len(episodes)} episodes (success {np.mean([e.won for e in episodes.values()]):.2f}), "
               f"{sum(v is not None for v in labels.values())} labels kept, {len(train)} training and "

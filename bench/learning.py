@@ -32,8 +32,8 @@ import envs  # noqa: E402
 from bench import common  # noqa: E402
 
 RESULTS = os.path.join(common.ROOT, "bench", "learning_results")
-# the envs with an expert for the warm start (sft.EXPERT_THOUGHTS), and the held-out splits seed.py evaluates
-EVAL_SPLITS = {e: envs.EVAL_SPLITS[e] for e in ("alfworld", "sokoban", "ezpoints")}
+# the envs with an expert for the warm start (testbed.EXPERT_THOUGHTS), and the held-out splits seed.py evaluates
+EVAL_SPLITS = {e: envs.env_class(e).eval_splits for e in ("alfworld", "sokoban", "ezpoints")}
 
 
 def parse_args(argv):

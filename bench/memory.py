@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -307,7 +308,8 @@ def accumulation_worker(out, sync, micro_batches, micro_batch, prompt, response,
             m.set_requires_gradient_sync(enabled)
             yield
         seed.grad_sync = sync_last
-    update = lambda: seed.update_policy(model, opt, rows, cfg, tok.pad_token_id, world, device)
+    run = SimpleNamespace(cfg=cfg, model=model, opt=opt, tok=tok, world=world, device=device, rank=rank, skip_streak=0)
+    update = lambda: seed.update_policy(run, rows)
     update()                                            # warm-up: AdamW's moments
     opt.zero_grad(set_to_none=True)
     gc.collect()

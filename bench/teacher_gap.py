@@ -4,7 +4,7 @@ teacher) and the same policy without it (the student); where that gap is zero, O
 From one checkpoint, on the first --tasks tasks of --split, --group_size samples each at --temperature:
 
     (a) student   the policy plays, no skill
-    (b) own       the same snapshot analyzes each episode of (a) exactly as Stage 2 does (seed.analyze: greedy,
+    (b) own       the same snapshot analyzes each episode of (a) exactly as Stage 2 does (analyzer.self_analyze: greedy,
                   the whole episode), then plays that episode's task again with the skill in its actor prompt
     (c) oracle    envs with an expert: the same with the scripted annotator's skill (analyzer.scripted_analysis),
                   which separates "cannot read a skill" from "writes useless skills"
@@ -59,7 +59,7 @@ from runfolder import fail, timed  # noqa: E402
 @dataclass
 class GapConfig(seed.Config):
     tasks: int = 64                    # N: the first N tasks of --split (the ids seed.py evaluates)
-    split: str = ""                    # task split ("" = the env's first held-out split, envs.EVAL_SPLITS)
+    split: str = ""                    # task split ("" = the env's first held-out split, its eval_splits)
     group_size: int = 4                # samples per task (>= 2: the GRPO advantage of the covariance needs a group)
     min_gate_std: float = 0.1          # the verdict's threshold on the gate's std over response tokens
     shift_rows: int = 256              # (d) on a seeded sample of this many step rows (0 = all; each costs 3 forwards)
@@ -96,7 +96,7 @@ def scores(model, tok, steps, rows, skills, cfg, device):
     if not rows:
         return {}
     with autocast(device, resolved_dtype(cfg)):
-        lp = opd.rescore(model, tok, [steps[i] for i in rows], skills, cfg.env, cfg.micro_batch_size)   # [rows, R]
+        lp = opd.rescore(model, tok, [steps[i] for i in rows], skills, cfg.micro_batch_size)   # [rows, R]
     return dict(zip(rows, grpo.trim(lp, [len(steps[i].response_ids) for i in rows])))
 
 
@@ -107,7 +107,7 @@ def shift(model, tok, steps, skills, adv, plain, cfg, device):
     lp_skill = lp (the same context).
     -> opd.shift_metrics | {"rows"}."""
     todo = [i for i, k in enumerate(skills) if k]
-    changed = [i for i in todo if envs.insert_skill(steps[i].prompt_text, skills[i][0], cfg.env, skills[i][1])
+    changed = [i for i in todo if envs.insert_skill(steps[i].prompt_text, skills[i][0], skills[i][1])
                != steps[i].prompt_text]
     lps = plain | scores(model, tok, steps, changed, [skills[i] for i in changed], cfg, device)
     masks = [envs.response_masks(tok, steps[i].response_ids, cfg.env) for i in todo]
@@ -127,7 +127,7 @@ def measure(engine, model, tok, cfg, progress=False):
         student = rollout.collect(engine, tok, play_envs, list(range(n)), G, temperature=cfg.temperature,
                                   max_tokens=cfg.max_tokens, progress=progress)
     with timed(sec, "analyze"):
-        stats = seed.analyze(engine, tok, student, cfg, progress)
+        stats = analyzer.self_analyze(engine, tok, student, cfg, progress)
     own = [ep.skill for ep in student]
     has_expert = all(ep.info.get("expert_plan") for ep in student)
     scripted = [analyzer.scripted_analysis(ep, cfg.max_steps, cfg.max_step_skills) for ep in student] if has_expert else []
@@ -211,8 +211,8 @@ def table(res, cfg):
 # ----------------------------------------------------------------------------- main
 
 def parse_config(argv=None):
-    cfg = runfolder.parse_config(argv, GapConfig, seed.ENV_DEFAULTS, __doc__)
-    cfg.split = cfg.split or envs.EVAL_SPLITS.get(cfg.env, ("test",))[0]
+    cfg = runfolder.parse_config(argv, GapConfig, envs.defaults(), __doc__)
+    cfg.split = cfg.split or envs.env_class(cfg.env).eval_splits[0]
     cfg.out = cfg.out or os.path.join("runs", f"teacher_gap-{cfg.env}")
     runfolder.check_common(cfg, ("tasks", "max_steps", "max_tokens", "micro_batch_size", "analyzer_max_tokens",
                                  "analyzer_max_prompt_tokens"))

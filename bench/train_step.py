@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -139,8 +140,9 @@ def run_update(seed_mod, model, opt, rows, minis, cfg, pad_id):
         n_tok = float(sum(len(rows.responses[i]) for b in micros for i in b))
         opt.zero_grad(set_to_none=True)
         for b in micros:
-            loss, _ = seed_mod.micro_loss(model, rows.take(b), cfg, pad_id, n_tok, n_tok, 1,   # every row has a skill
-                                          torch.device("cpu"))
+            run = SimpleNamespace(cfg=cfg, model=model, tok=SimpleNamespace(pad_token_id=pad_id), world=1,
+                                  device=torch.device("cpu"))
+            loss, _, _ = seed_mod.micro_loss(run, rows.take(b), n_tok, n_tok)   # every row has a skill
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -188,7 +190,7 @@ def main(argv=None):
     import grpo
     # warm-up: a forward and an optimizer step on two rows (oneDNN kernel choice, allocator, AdamW state)
     warm = trows.take([0, 1])
-    warm.old = warm.ref = warm.skill_lp = run_pass(grpo, model, warm, [[0, 1]], pad_id)
+    warm.old = warm.ref = warm.lp_skill = run_pass(grpo, model, warm, [[0, 1]], pad_id)
     run_update(seed_mod, model, opt, warm, [[[0, 1]]], cfg, pad_id)
     best = {}
     for rep in range(args.repeats):          # layouts interleaved; the best of the repeats counts
@@ -198,7 +200,7 @@ def main(argv=None):
             common.reset_peak_rss()
             lp, *sec_p = common.clock(lambda: run_pass(grpo, model, trows, pb, pad_id))
             mem_p = common.peak_rss_mb()
-            trows.old, trows.ref, trows.skill_lp = lp, lp, lp
+            trows.old, trows.ref, trows.lp_skill = lp, lp, lp
             common.reset_peak_rss()
             _, *sec_u = common.clock(lambda: run_update(seed_mod, model, opt, trows, minis, cfg, pad_id))
             mem_u = common.peak_rss_mb()

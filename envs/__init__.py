@@ -9,12 +9,17 @@ Every env follows one small contract, which `rollout.py` and `analyzer.py` rely 
 
 Attributes: `name`, `task` (the task text), `family` (task family, e.g. "heat" for ALFWorld),
 `max_steps`, `reward_scale` (episode reward of a win), `invalid_penalty`, `num_tasks` (how many
-distinct task ids the split holds). The prompt contains one line starting with `task_line(name)`
-(below), after which `insert_skill` puts a skill block. `info` holds `won`, `valid` (the env's
-projection accepted the response), `action` (what the env executed: the projection's output, also for
-an invalid response where the authors' projection still passes something on; "" when nothing was
-executed), `admissible` (list of actions, when the env has such a list) and, from `reset`,
-`expert_plan` where the env can compute one (used by the scripted analyzer of Stage 1).
+distinct task ids the split holds). Class attributes, the env's own switches: `task_line` (the prompt holds one
+line starting with it, after which `insert_skill` puts a skill block), `eval_splits` (the held-out splits
+seed.py evaluates on), `response_format` ("tags": <think>/<action>; "json": EZPoints' {"thoughts", "action"}),
+`observation_in_task_key` (the skill library keys on the task text plus the first observation, where the task
+text alone does not tell tasks apart), `defaults` (its column of docs/design-notes.md#defaults: seed.py's and
+sft.py's flags for `--env <name>`).
+README, "Adding an environment": the steps, with tests/conftest.py's ToyEnv as the template. `info` holds
+`won`, `valid` (the env's projection accepted the response), `action` (what the env executed: the projection's
+output, also for an invalid response where the authors' projection still passes something on; "" when nothing
+was executed), `admissible` (list of actions, when the env has such a list) and, from `reset`, `expert_plan`
+where the env can compute one (used by the scripted analyzer of Stage 1).
 Validity and what is executed follow each env's projection in the authors' code
 (agent_system/environments/env_package/*/projection.py at 2cf2fad): a format rule, not admissibility
 (ALFWorld sends an inadmissible command to the game, which answers "Nothing happens."). `step` never
@@ -25,28 +30,37 @@ import itertools
 import re
 
 NAMES = ("alfworld", "sokoban", "ezpoints", "search", "webshop")
-EVAL_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",), "search": ("test",),
-               "sokoban": ("test",), "ezpoints": ("test",)}   # the held-out splits seed.py evaluates on
+
+
+def env_class(name):
+    """The class of one environment by name (plain if-chain: the five benchmarks and nothing else; each module
+    imported on first use, its heavy packages only when an env is built)."""
+    if name == "alfworld":
+        from envs.alfworld import AlfWorldEnv
+        return AlfWorldEnv
+    if name == "sokoban":
+        from envs.sokoban import SokobanEnv
+        return SokobanEnv
+    if name == "ezpoints":
+        from envs.ezpoints import EZPointsEnv
+        return EZPointsEnv
+    if name == "search":
+        from envs.search import SearchEnv
+        return SearchEnv
+    if name == "webshop":
+        from envs.webshop import WebShopEnv
+        return WebShopEnv
+    raise ValueError(f"unknown env {name!r}; choose one of {', '.join(NAMES)}")
 
 
 def make(name, **kwargs):
-    """Build one environment by name (plain if-chain: the five benchmarks and nothing else)."""
-    if name == "alfworld":
-        from envs.alfworld import AlfWorldEnv
-        return AlfWorldEnv(**kwargs)
-    if name == "sokoban":
-        from envs.sokoban import SokobanEnv
-        return SokobanEnv(**kwargs)
-    if name == "ezpoints":
-        from envs.ezpoints import EZPointsEnv
-        return EZPointsEnv(**kwargs)
-    if name == "search":
-        from envs.search import SearchEnv
-        return SearchEnv(**kwargs)
-    if name == "webshop":
-        from envs.webshop import WebShopEnv
-        return WebShopEnv(**kwargs)
-    raise ValueError(f"unknown env {name!r}; choose one of {', '.join(NAMES)}")
+    """Build one environment by name."""
+    return env_class(name)(**kwargs)
+
+
+def defaults():
+    """{env name: its `defaults`}: the --env columns of seed.py's and sft.py's flags."""
+    return {name: dict(env_class(name).defaults) for name in NAMES}
 
 
 def from_config(cfg, split):
@@ -65,8 +79,7 @@ def from_config(cfg, split):
 
 def task_line(name):
     """The prompt-line prefix of the env's task line (insert_skill finds it among TASK_LINES)."""
-    return {"alfworld": "Your task is to:", "sokoban": "Your task is to:", "ezpoints": "Your task is to:",
-            "search": "Your question:", "webshop": "Your task is to:"}[name]
+    return env_class(name).task_line
 
 
 IMAGE = "<image>"   # image mode (Appendix C.3): where an image goes in a prompt; env.prompt_images() fills them
@@ -100,12 +113,12 @@ def _before_turn(text, block):
     return _put_at(text, at, block)
 
 
-def insert_skill(prompt_text, skill, env_name=None, step_skill=None):
+def insert_skill(prompt_text, skill, step_skill=None):
     """The teacher's context h~ as the authors build it (build_augmented_observation_text): the prompt,
     stripped; the episode-skill section right after the task line (the first of TASK_LINES that matches: the
     line, and the next one when the line ends at its colon), failing that before the turn instruction ("Now
     it's your turn ..."), failing both at the end; the step-skill section before the turn instruction (or at
-    the end). `env_name` is not needed (kept for callers). No skill at all returns the prompt unchanged."""
+    the end). No skill at all returns the prompt unchanged."""
     episode, step = skill_section(EPISODE_SKILL, skill), skill_section(STEP_SKILL, step_skill)
     if not episode and not step:
         return prompt_text
@@ -192,7 +205,7 @@ def response_masks(tokenizer, response_ids, env_name):
     for a part the response does not have (an invalid response has no action tokens)."""
     text, spans = token_spans(tokenizer, list(response_ids))
     out = []
-    for pattern in RESPONSE_SPANS["json" if env_name == "ezpoints" else "tags"]:
+    for pattern in RESPONSE_SPANS[env_class(env_name).response_format]:
         m = re.search(pattern, text, flags=re.I | re.S)
         lo, hi = m.span(1) if m else (0, 0)
         out.append([s < hi and e > lo and e > s for s, e in spans])

@@ -281,6 +281,11 @@ class AlfWorldEnv(gym.Env):
     name = "alfworld"
     reward_scale = 10.0      # episode reward of a win
     invalid_penalty = 0.1    # subtracted per invalid step by the trainer (grpo.row_rewards)
+    task_line = "Your task is to:"   # the prompt's task line (envs.insert_skill puts the episode skill after it)
+    eval_splits = ("valid_seen", "valid_unseen")   # held-out splits seed.py evaluates on
+    response_format = "tags"         # <think>...</think><action>...</action> (envs.RESPONSE_SPANS)
+    observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
+    defaults = dict()                # seed.Config's and sft.SFTConfig's defaults are ALFWorld's
 
     def __init__(self, data_dir=None, split="train", history_length=5, max_steps=30):
         if max_steps < 1 or history_length < 0:
@@ -359,7 +364,7 @@ class AlfWorldEnv(gym.Env):
         if self.steps == 0:
             lines.append(f"Current observation: {_first_observation(self.obs)}")
         else:
-            lines.append(f"{envs.task_line(self.name)} {self.task}")
+            lines.append(f"{self.task_line} {self.task}")
             lines += envs.history_lines([(_without_task(o), a) for o, a in self.history], self.steps,
                                         self.history_length)
             lines.append(f"You are now at step {self.steps + 1}. Current observation: {_without_task(self.obs)}")

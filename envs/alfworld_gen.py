@@ -25,7 +25,7 @@ classes. The target is out of sight until the agent goes to its receptacle, whic
 reveals ("the book was in drawer 2") is partly a prior that carries to other rooms. The stored `walkthrough` is
 the direct route there (go, open, take, go, move), checked by playing it through the engine, so that the
 scripted annotator's hindsight skill names where the object was; the game file says `"hidden": true`, and a warm
-start's plain demonstrations there search at random (sft.search_actions) instead of cloning the hand-coded
+start's plain demonstrations there search at random (testbed.search_actions) instead of cloning the hand-coded
 expert, whose searches by its priors are no policy a prompt without history can follow.
 
     python -m envs.alfworld_gen --out data/hidden --hidden --families pick --receptacles 5 --distractors 0-2 \

@@ -191,6 +191,12 @@ class EZPointsEnv(gym.Env):
     name = "ezpoints"
     reward_scale = 10.0
     invalid_penalty = 0.1
+    task_line = "Your task is to:"   # the prompt's task line (envs.insert_skill puts the episode skill after it)
+    eval_splits = ("test",)          # held-out splits seed.py evaluates on
+    response_format = "json"         # {"thoughts": ..., "action": ...}, the authors' gym_cards format
+    observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
+    defaults = dict(max_steps=5, history_length=2, max_prompt_tokens=1024, max_tokens=256,
+                    skill_mode="episode_only", max_step_skills=0)   # the authors' launcher (docs/design-notes.md)
 
     def __init__(self, max_steps=5, history_length=2, split="train", image=False):
         if split not in SPLIT_ORDER:
@@ -297,7 +303,7 @@ class EZPointsEnv(gym.Env):
         from an image, are given in the task line."""
         return "\n".join([
             f"You are an expert card-game player building a formula that equals {TARGET}.",
-            f"{envs.task_line(self.name)} {self.task}",
+            f"{self.task_line} {self.task}",
             "Card rules: number cards count their face value, J, Q and K count 10, A counts 1; use only "
             "these two values, each exactly once.",
             f"Formula rules: each step appends one token to the end of the formula: a card value, '+' or "

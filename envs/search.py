@@ -186,6 +186,12 @@ class SearchEnv(gym.Env):
     name = "search"
     reward_scale = 1.0
     invalid_penalty = 0.01
+    task_line = "Your question:"    # the prompt's task line (envs.insert_skill puts the episode skill after it)
+    eval_splits = ("test",)          # held-out splits seed.py evaluates on
+    response_format = "tags"         # <think> spans as the others' (no <action>: no action tokens)
+    observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
+    defaults = dict(tasks_per_update=128, max_steps=4, history_length=4, max_prompt_tokens=4096,
+                    kl_coef=0.001, ent_coef=0.0, max_step_skills=2)   # the authors' launcher (docs/design-notes.md)
 
     def __init__(self, retriever_url="http://127.0.0.1:8000/retrieve", data=None, split="train",
                  max_steps=4, topk=3, history_length=4, timeout=10.0, retries=4, backoff=0.5):
@@ -249,7 +255,7 @@ class SearchEnv(gym.Env):
         instruction with the format rules."""
         lines = [
             "You are an expert agent answering a question step by step with the help of a search engine.",
-            f"{envs.task_line(self.name)} {self.task}",
+            f"{self.task_line} {self.task}",
         ]
         lines += envs.history_lines(self.history, self.steps, self.history_length, line="[Step {k}] {act}\n{obs}")
         lines.append("Now it's your turn. First reason inside <think> </think>. Then do exactly one of: "

@@ -187,6 +187,12 @@ class SokobanEnv(gym.Env):
     name = "sokoban"
     reward_scale = 10.0
     invalid_penalty = 0.1
+    task_line = "Your task is to:"   # the prompt's task line (envs.insert_skill puts the episode skill after it)
+    eval_splits = ("test",)          # held-out splits seed.py evaluates on
+    response_format = "tags"         # <think>...</think><action>...</action> (envs.RESPONSE_SPANS)
+    observation_in_task_key = True    # one task text for every room: the library keys on it + the first board
+    defaults = dict(max_steps=15, history_length=2, max_prompt_tokens=1024, max_tokens=256,
+                    skill_mode="episode_only", max_step_skills=2)   # the authors' launcher (docs/design-notes.md)
 
     def __init__(self, split="train", dim=6, num_boxes=1, max_steps=15, history_length=2, image=False):
         if split not in SPLIT_SEED:
@@ -274,7 +280,7 @@ class SokobanEnv(gym.Env):
         lines = [
             f"You are an expert agent playing Sokoban on a {self.dim}x{self.dim} grid.",
             LEGEND,
-            f"{envs.task_line(self.name)} {self.task}",
+            f"{self.task_line} {self.task}",
             "Rules: each action moves you one cell. Walking into the box pushes it one cell if the "
             "cell behind it is free; you cannot pull it, so avoid pushing it into a corner or "
             "against a wall away from the target.",
@@ -297,7 +303,7 @@ class SokobanEnv(gym.Env):
         instruction. Like theirs it shows no history: the board is the state."""
         return "\n".join([
             f"You are an expert agent playing Sokoban on a {self.dim}x{self.dim} grid, shown as an image.",
-            f"{envs.task_line(self.name)} {self.task}",
+            f"{self.task_line} {self.task}",
             "Rules: each action moves you one cell. Walking into the box pushes it one cell if the "
             "cell behind it is free; you cannot pull it, so avoid pushing it into a corner or "
             "against a wall away from the target.",

@@ -76,6 +76,11 @@ class WebShopEnv(gym.Env):
     name = "webshop"
     reward_scale = 10.0
     invalid_penalty = 0.1
+    task_line = "Your task is to:"   # the prompt's task line (envs.insert_skill puts the episode skill after it)
+    eval_splits = ("test",)          # held-out splits seed.py evaluates on
+    response_format = "tags"         # <think>...</think><action>...</action> (envs.RESPONSE_SPANS)
+    observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
+    defaults = dict(max_steps=15, history_length=2, max_prompt_tokens=4096, adv_norm="mean_norm")   # the launcher
 
     def __init__(self, split="train", max_steps=15, history_length=2, num_products=None,
                  human_goals=False, text_env=None, small=True, train_from=500):
@@ -178,7 +183,7 @@ class WebShopEnv(gym.Env):
         available actions; the turn instruction with the format rules."""
         lines = [
             "You are an expert autonomous agent shopping in the WebShop online store.",
-            f"{envs.task_line(self.name)} {self.task}",
+            f"{self.task_line} {self.task}",
         ]
         if self.steps == 0:
             lines.append(f"Current page: {self.obs}")

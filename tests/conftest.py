@@ -17,7 +17,8 @@ import rollout  # noqa: E402
 
 
 class ToyEnv(gym.Env):
-    """Guess a secret number in 1..9 (task id -> number). After each guess the observation gives the
+    """The template for a new environment (README, "Adding an environment"): every attribute and method of the
+    contract in envs/__init__.py, nothing more. Guess a secret number in 1..9 (task id -> number). After each guess the observation gives the
     range still possible. Follows the env contract: `<think>..</think><action>guess N</action>`;
     anything else (no tag, two tags, non-ASCII, not admissible) is an invalid step, never an error.
     Families: "low" (1-4) and "high" (5-9). `received` keeps every text `step` was given."""
@@ -26,6 +27,11 @@ class ToyEnv(gym.Env):
     reward_scale = 10.0
     invalid_penalty = 0.1
     num_tasks = 9
+    task_line = "Your task is to:"     # the prompt's task line (envs.insert_skill puts the episode skill after it)
+    eval_splits = ("test",)            # held-out splits seed.py evaluates on
+    response_format = "tags"           # <think>...</think><action>...</action> (envs.RESPONSE_SPANS)
+    observation_in_task_key = False    # the library files a skill under the task text (analyzer.task_key)
+    defaults = dict(max_steps=4, history_length=2)   # its column of seed.py's and sft.py's flags
 
     def __init__(self, max_steps=4, history_length=2):
         self.max_steps, self.history_length = max_steps, history_length

@@ -18,6 +18,7 @@ checkpoint (runfolder.save_checkpoint) next to OUT.json.
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
@@ -40,15 +41,15 @@ def fixed_rows(model, n=8):
     has = (torch.arange(n) % 3 != 0).float()
     rows = grpo.Rows(prompts, responses, adv, has)
     cfg = seed.Config(micro_batch_size=3, dtype="float32")
-    own = grpo.batch_logprobs(model, rows, 0, cfg, torch.device("cpu"))
+    own = grpo.batch_logprobs(model, rows, 0, cfg.micro_batch_size)
     rows.old = [x + 0.05 * torch.randn(len(x), generator=g) for x in own]
     rows.ref = [x + 0.2 * torch.randn(len(x), generator=g) for x in own]
-    rows.skill_lp = [x + 0.5 * torch.randn(len(x), generator=g) for x in own]
+    rows.lp_skill = [x + 0.5 * torch.randn(len(x), generator=g) for x in own]
     return rows
 
 
 def reference_pass(out, rank, world, device):
-    """The frozen reference as seed.load_models wraps it (FSDP2, trainable=False) and its no-grad pass
+    """The frozen reference as rollout.load_policy wraps it (FSDP2, trainable=False) and its no-grad pass
     (grpo.batch_logprobs): which parameters are plain (gathered) tensors after a bare forward and after
     the pass. Writes {"after_forward": [...], "after_pass": [...], "dtensors": n, "params": n} per rank."""
     from torch.distributed.tensor import DTensor
@@ -61,7 +62,7 @@ def reference_pass(out, rank, world, device):
         ref(input_ids=torch.tensor([rows.prompts[0]]))            # a bare forward: nothing reshards the root
     after_forward = gathered()
     local = rows.take(list(range(rank, len(rows), world)))
-    grpo.batch_logprobs(ref, local, tok.pad_token_id, cfg, device)
+    grpo.batch_logprobs(ref, local, tok.pad_token_id, cfg.micro_batch_size, cfg.fsdp)
     mine = {"after_forward": after_forward, "after_pass": gathered(),
             "dtensors": sum(isinstance(p, DTensor) for p in ref.parameters()),
             "params": sum(1 for _ in ref.parameters())}
@@ -84,7 +85,8 @@ def main():
     cfg = seed.Config(algo="seed", micro_batch_size=2, mini_batch_size=4, grad_clip=1e9, fsdp=fsdp, dtype="float32")
     wrapped = parallel.wrap(model, cfg, device, world)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.02)
-    sums, norms = seed.update_policy(wrapped, opt, local, cfg, tok.pad_token_id, world, device)
+    run = SimpleNamespace(cfg=cfg, model=wrapped, opt=opt, tok=tok, world=world, device=device, rank=rank, skip_streak=0)
+    sums, norms, _ = seed.update_policy(run, local)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     after = get_model_state_dict(parallel.unwrap(wrapped), options=StateDictOptions(full_state_dict=True))
     fp = {}

@@ -288,7 +288,7 @@ def parallel_unwrap(model):
 
 
 def _rank_reference(path, tok, cfg, device, world):
-    """The frozen reference as seed.load_models wraps it, after grpo.batch_logprobs: every parameter a shard."""
+    """The frozen reference as rollout.load_policy wraps it, after grpo.batch_logprobs: every parameter a shard."""
     import grpo
     import parallel
     import rollout
@@ -297,7 +297,7 @@ def _rank_reference(path, tok, cfg, device, world):
     ref = parallel.wrap(ref.requires_grad_(False).eval(), cfg, device, world, trainable=False)
     prompt = rollout_prompt(tok)
     rows = grpo.Rows([prompt[:40], prompt[:30]], [prompt[40:52], prompt[30:36]], torch.zeros(2), torch.zeros(2))
-    grpo.batch_logprobs(ref, rows, tok.pad_token_id, cfg, device)
+    grpo.batch_logprobs(ref, rows, tok.pad_token_id, cfg.micro_batch_size, cfg.fsdp, parallel.resolved_dtype(cfg))
     gathered = [n for n, p in ref.named_parameters() if not isinstance(p, DTensor)]
     n = sum(1 for _ in ref.parameters())
     del ref

@@ -23,7 +23,7 @@ def main(out):
     episodes = rollout.collect(engine, tok, envs, [0, 1], 2, temperature=1.0, max_tokens=16, progress=False)
     mine = {"rank": dist.get_rank(), "texts": [[s.response_text for s in ep.steps] for ep in episodes],
             "groups": [ep.group_id for ep in episodes],
-            "lengths": [[len(s.response_ids) == len(s.old_logprobs) for s in ep.steps] for ep in episodes]}
+            "lengths": [[len(s.response_ids) == len(s.engine_logprobs) for s in ep.steps] for ep in episodes]}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:

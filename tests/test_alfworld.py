@@ -171,11 +171,11 @@ def test_skill_block_after_the_task_line_at_the_first_and_a_later_step(real_env)
     real_env.reset(seed=0)
     for step in range(3):
         prompt = real_env.prompt()
-        lines = envs.insert_skill(prompt, skill, "alfworld").split("\n")
+        lines = envs.insert_skill(prompt, skill).split("\n")
         at = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith(task_line("alfworld")))
         assert lines[at + 1:at + 7] == [""] + block + [""], step
         assert " ".join(lines[:at + 1] + lines[at + 7:]).split() == prompt.split()
-        lines = envs.insert_skill(prompt, None, "alfworld", "Open the fridge now.").split("\n")
+        lines = envs.insert_skill(prompt, None, "Open the fridge now.").split("\n")
         turn = next(i for i, ln in enumerate(lines) if ln.startswith(envs.TURN_LINE))
         assert lines[turn - 5:turn] == [""] + envs.skill_section(envs.STEP_SKILL, "Open the fridge now.").split(
             "\n") + [""]

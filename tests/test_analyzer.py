@@ -33,7 +33,7 @@ def episode(won=False, steps=(), task="put a cool apple in diningtable", env="al
     ep = Episode(task_id=3, group_id=0, env=env, task=task, family=family, info=dict(info or {}))
     for obs, resp, valid, action in steps:
         ep.steps.append(Step(prompt_text="", prompt_ids=[], response_ids=[], response_text=resp,
-                             old_logprobs=[], observation=obs, action=action, valid=valid))
+                             engine_logprobs=[], observation=obs, action=action, valid=valid))
     ep.won, ep.reward = won, 10.0 if won else 0.0
     return ep
 
@@ -99,7 +99,7 @@ def thirty_step_episode():
                  f"'{action}' next and look for a potato there, then take it to the microwave.</think>")
         resp = think if t % 7 == 6 else f"{think}<action>{action}</action>"
         nxt, reward, term, trunc, info = env.step(resp)
-        ep.steps.append(Step(prompt_text="", prompt_ids=[], response_ids=[], response_text=resp, old_logprobs=[],
+        ep.steps.append(Step(prompt_text="", prompt_ids=[], response_ids=[], response_text=resp, engine_logprobs=[],
                              observation=obs, action=info["action"], valid=info["valid"], reward=reward))
         ep.won, obs = ep.won or info["won"], nxt
     ep.reward = 10.0 if ep.won else 0.0
@@ -132,7 +132,7 @@ def test_thirty_step_alfworld_episode_is_analyzed_whole(tokenizer, model_path, c
     context = seed.engine_context(cfg, model_path)
     assert context == 8192 and "prompt budget is 7168" in capsys.readouterr().out    # the model's own limit
     engine = RecordingEngine(tokenizer, context)
-    stats = seed.analyze(engine, tokenizer, [ep], cfg, progress=False)
+    stats = analyzer.self_analyze(engine, tokenizer, [ep], cfg, progress=False)
     assert stats["parse_failures"] == 0 and ep.skill == json.loads(GOOD)["episode_skill"]
     assert len(engine.prompts) == 1                                        # one call, no retry
     ids = engine.prompts[0]
@@ -282,7 +282,7 @@ words = lambda text: " ".join(text.split())
 
 
 def _check_after_task_line(prompt, name):
-    out = analyzer.insert_skill(prompt, SKILL, name)
+    out = envs.insert_skill(prompt, SKILL)
     assert out.count(SKILL) == 1
     lines = out.split("\n")
     at = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith(envs.task_line(name)))
@@ -291,7 +291,6 @@ def _check_after_task_line(prompt, name):
 
 
 def test_insert_skill_after_the_task_line_of_real_prompts():
-    assert analyzer.insert_skill is envs.insert_skill                        # one function, two names
     for name in ("sokoban", "ezpoints", "search"):
         env = envs.make(name)
         env.reset(seed=1)
@@ -350,22 +349,22 @@ def test_insert_skill_equals_the_authors_function(prompt, episode_skill, step_sk
     """envs.insert_skill returns exactly what the authors' build_augmented_observation_text returns on the
     cases of their test file (their strings, above): the sections' format, the task-line and turn anchors,
     the blank lines, and the fallback to the end of the prompt."""
-    assert envs.insert_skill(prompt, episode_skill, "webshop", step_skill) == theirs
+    assert envs.insert_skill(prompt, episode_skill, step_skill) == theirs
 
 
 def test_insert_skill_fallbacks_multiline_and_empty():
     prompt = "You play a game.\nCurrent observation: a wall.\nNow it's your turn to act. Use <action>."
-    out = analyzer.insert_skill(prompt, SKILL, "sokoban").split("\n")
+    out = envs.insert_skill(prompt, SKILL).split("\n")
     assert out[2:7] == [""] + BLOCK.split("\n") + [""] and out[7].startswith("Now it's your turn")
-    assert analyzer.insert_skill("Just text.", SKILL, "sokoban") == "Just text.\n\n" + BLOCK
+    assert envs.insert_skill("Just text.", SKILL) == "Just text.\n\n" + BLOCK
     # the task sentence inside a longer line still anchors the skill
-    out = analyzer.insert_skill("You are an agent. Your task is to: heat an egg.\nAct now.", SKILL, "alfworld")
+    out = envs.insert_skill("You are an agent. Your task is to: heat an egg.\nAct now.", SKILL)
     assert out == "You are an agent. Your task is to: heat an egg.\n\n" + BLOCK + "\n\nAct now."
     # a multi-line skill is kept inside its brackets (stripped); empty skills change nothing
-    assert analyzer.insert_skill("Your task is to: x\nGo.", "  a\n\n b  c ", "alfworld") == (
+    assert envs.insert_skill("Your task is to: x\nGo.", "  a\n\n b  c ") == (
         "Your task is to: x\n\n" + EPISODE_HEAD + "[a\n\n b  c]\n\nGo.")
     for empty in (None, "", "  \n "):
-        assert analyzer.insert_skill("Your task is to: x\nGo.", empty, "alfworld", empty) == "Your task is to: x\nGo."
+        assert envs.insert_skill("Your task is to: x\nGo.", empty, empty) == "Your task is to: x\nGo."
 
 
 # ----------------------------------------------------------------------------- scripted analysis

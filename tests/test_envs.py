@@ -3,6 +3,7 @@
 hostile text never raises, prompts carry the skill-insertion task line, seeds fix tasks, and the retriever
 protocol works on 127.0.0.1."""
 import ast
+import dataclasses
 import json
 import re
 import socket
@@ -58,10 +59,29 @@ def assert_survives_hostile(env, seed=0):
         assert info["valid"] is False or text not in NO_FORMAT, repr(text)[:80]
 
 
+def assert_class_switches(cls):
+    """The per-env switches every env class carries (README, "Adding an environment")."""
+    import seed
+    fields = {f.name for f in dataclasses.fields(seed.Config)}
+    assert isinstance(cls.task_line, str) and cls.task_line.endswith(":")
+    assert cls.eval_splits and all(isinstance(x, str) for x in cls.eval_splits)
+    assert cls.response_format in envs.RESPONSE_SPANS and isinstance(cls.observation_in_task_key, bool)
+    assert isinstance(cls.defaults, dict) and set(cls.defaults) <= fields, set(cls.defaults) - fields
+
+
+def test_every_env_class_and_the_template_carry_their_switches(toy_env_factory):
+    for name in envs.NAMES:
+        assert_class_switches(envs.env_class(name))
+    assert_class_switches(toy_env_factory)
+    assert envs.env_class("alfworld").eval_splits == ("valid_seen", "valid_unseen")
+    assert envs.env_class("ezpoints").response_format == "json" and envs.task_line("search") == "Your question:"
+
+
 def assert_contract(env, name):
     assert env.name == name and isinstance(env, gym.Env)
     for attr in ("task", "family", "max_steps", "reward_scale", "invalid_penalty", "num_tasks"):
         assert hasattr(env, attr), attr
+    assert_class_switches(type(env))
     obs, info = env.reset(seed=1)
     assert isinstance(obs, str) and {"task", "family", "admissible", "expert_plan"} <= set(info)
     assert env.task and info["task"] == env.task

@@ -142,8 +142,8 @@ def _toy_loss(theta, rows, mask, num_tokens):
     old, ref = lp.detach() - 0.05 * (rows[:, None] % 3), lp.detach() + 0.1
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[rows]
     pg = grpo.policy_loss(lp, old, adv, mask)
-    loss, _ = grpo.joint_loss(pg, grpo.kl_k3(lp, ref), grpo.entropy_from_logits(logits), None, mask,
-                              num_tokens=num_tokens)
+    loss, _ = grpo.joint_loss({"pg": pg, "kl": grpo.kl_k3(lp, ref), "entropy": grpo.entropy_from_logits(logits)},
+                              mask, num_tokens=num_tokens)
     return loss
 
 
@@ -172,10 +172,12 @@ def test_joint_loss_hand_computed():
     pg, kl, ent = (torch.full((2, 2), v) for v in (1.0, 2.0, 3.0))
     opd = torch.tensor([[4.0, 6.0], [100.0, 100.0]])
     has_skill = torch.tensor([[1.0], [0.0]])
-    loss, parts = grpo.joint_loss(pg, kl, ent, opd, mask, opd_mask=has_skill)
+    loss, parts = grpo.joint_loss({"pg": pg, "kl": kl, "entropy": ent, "opd": opd}, mask, opd_mask=has_skill)
     # pg/kl/entropy over all 3 tokens; opd over the 2 skill tokens only: (4 + 6) / 2 (row 1 has no skill)
     assert parts == pytest.approx({"pg": 1.0, "kl": 2.0, "entropy": 3.0, "opd": 5.0})
     assert loss.item() == pytest.approx(1.0 + 0.01 * 2.0 - 0.001 * 3.0 + 0.01 * 5.0)
+    loss, parts = grpo.joint_loss({"pg": None, "kl": kl, "opd": opd}, mask, {"kl": 0.5, "opd": 2.0}, has_skill)
+    assert set(parts) == {"kl", "opd"} and loss.item() == pytest.approx(0.5 * 2.0 + 2.0 * 5.0)   # no pg term
 
 
 def test_opd_term_is_the_mean_over_skill_tokens():
@@ -186,35 +188,23 @@ def test_opd_term_is_the_mean_over_skill_tokens():
     has_skill = torch.tensor([[1.0], [0.0], [1.0], [0.0]])                  # rows 0 and 2: 5 skill tokens
     opd = torch.tensor([[1.0, 2.0, 3.0], [50.0, 0.0, 0.0], [4.0, 5.0, 0.0], [60.0, 60.0, 60.0]])
     zero = torch.zeros(4, 3)
-    _, parts = grpo.joint_loss(zero, None, None, opd, mask, opd_mask=has_skill)
+    _, parts = grpo.joint_loss({"pg": zero, "opd": opd}, mask, opd_mask=has_skill)
     assert parts["opd"] == pytest.approx((1 + 2 + 3 + 4 + 5) / 5)          # = 3, not 15 / 9
-    loss, _ = grpo.joint_loss(zero, None, None, opd, mask, opd_mask=has_skill, lambda_opd=0.5)
+    loss, _ = grpo.joint_loss({"pg": zero, "opd": opd}, mask, {"opd": 0.5}, has_skill)
     assert loss.item() == pytest.approx(0.5 * 3.0)
     # two ranks (rows 0-1 and 2-3), each dividing by the global counts / world: the shares sum to one mean
-    shares = [grpo.joint_loss(zero[r], None, None, opd[r], mask[r], opd_mask=has_skill[r], num_tokens=9 / 2,
+    shares = [grpo.joint_loss({"pg": zero[r], "opd": opd[r]}, mask[r], opd_mask=has_skill[r], num_tokens=9 / 2,
                               opd_tokens=5 / 2)[1]["opd"] for r in ([0, 1], [2, 3])]
     assert shares == pytest.approx([6 / 2.5, 9 / 2.5]) and sum(shares) / 2 == pytest.approx(3.0)
-    _, parts = grpo.joint_loss(zero, None, None, opd, mask, opd_mask=torch.zeros(4, 1))
+    _, parts = grpo.joint_loss({"pg": zero, "opd": opd}, mask, opd_mask=torch.zeros(4, 1))
     assert parts["opd"] == 0.0
 
 
-def test_diagnostics_hand_computed():
-    ratio = torch.tensor([[1.5, 1.0, 0.5, 9.0], [0.5, 4.0, 1.1, 1.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    adv = torch.tensor([1.0, -1.0])
-    d = grpo.diagnostics(ratio.log(), torch.zeros(2, 4), adv, mask,
-                         rewards=[1.0, 1.0, 0.0, 3.0, 2.0, 2.0], group_ids=[0, 0, 1, 1, 2, 2])
-    # 7 tokens: high clip = row 0's 1.5; low clip = row 1's 0.5; dual = row 1's 4.0 (row 0's 9.0 is padding)
-    assert d["clip_frac_high"] == pytest.approx(1 / 7)
-    assert d["clip_frac_low"] == pytest.approx(1 / 7)
-    assert d["clip_frac_dual"] == pytest.approx(1 / 7)
-    assert d["ratio_min"] == pytest.approx(0.5) and d["ratio_max"] == pytest.approx(4.0)
-    k3 = [r - 1 - math.log(r) for r in (1.5, 1.0, 0.5, 0.5, 4.0, 1.1, 1.0)]
-    assert d["approx_kl"] == pytest.approx(sum(k3) / 7, rel=1e-5)
-    assert d["zero_std_groups"] == pytest.approx(2 / 3)
+def test_tied_groups_hand_computed():
+    """Groups whose rewards all tie (GRPO's gradient is zero there): group 0 (1, 1) and group 2 (2, 2) of three."""
+    assert grpo.tied_groups([1.0, 1.0, 0.0, 3.0, 2.0, 2.0], [0, 0, 1, 1, 2, 2]) == (2, 3)
+    assert grpo.tied_groups(grpo.group_advantages([1.0, 1.0, 0.0, 3.0], [0, 0, 1, 1]), [0, 0, 1, 1]) == (1, 2)
 
-
-# ----------------------------------------------------------------------------- batched log-probs
 
 def _naive(model, prompt, response):
     """Per-row, unpadded, full logits: the obvious computation."""
@@ -289,8 +279,8 @@ def test_masked_mean_clamps_the_global_count_before_the_world():
     assert grpo.masked_mean(x, torch.zeros_like(mask), num_tokens=0, world=8).item() == 0.0
     assert grpo.masked_mean(x, mask, num_tokens=0.5, world=8).item() == pytest.approx(2.0 * 8)
     # ranks 0-2 hold one skill token of value 2.0 each, ranks 3-7 none: DDP's average is the true mean, 2.0
-    shares = [grpo.joint_loss(x * 0, None, None, x, mask if r < 3 else mask * 0, opd_mask=torch.ones(1, 1),
-                              num_tokens=3, opd_tokens=3, lambda_opd=1.0, world=8)[1]["opd"] for r in range(8)]
+    shares = [grpo.joint_loss({"pg": x * 0, "opd": x}, mask if r < 3 else mask * 0, {"opd": 1.0}, torch.ones(1, 1),
+                              num_tokens=3, opd_tokens=3, world=8)[1]["opd"] for r in range(8)]
     assert sum(shares) / 8 == pytest.approx(2.0)
 
 

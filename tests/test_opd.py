@@ -21,16 +21,16 @@ from rollout import Step  # noqa: E402
 def test_gates_hand_computed():
     lp = torch.tensor([[-1.0, -2.0, -0.5]])
     lp_skill = torch.tensor([[-1.0, -1.8, -0.9]])
-    g = opd.gates(lp_skill, lp)                                    # sigmoid(5 * [0, 0.2, -0.4])
+    g = opd.gates(lp, lp_skill)                                    # sigmoid(5 * [0, 0.2, -0.4])
     assert torch.allclose(g, torch.tensor([[0.5, 0.7310586, 0.1192029]]), atol=1e-6)
-    assert torch.allclose(opd.gates(lp_skill, lp, beta=1.0), torch.sigmoid(lp_skill - lp))
+    assert torch.allclose(opd.gates(lp, lp_skill, beta=1.0), torch.sigmoid(lp_skill - lp))
 
 
 def test_opd_gradient_is_minus_gate_over_tokens():
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -9.0]], requires_grad=True)
     lp_skill = torch.tensor([[-0.2, -2.5, -0.5], [-1.0, -3.0, -1.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    g = opd.gates(lp_skill, lp)
+    g = opd.gates(lp, lp_skill)
     assert not g.requires_grad                                     # the gate is a constant
     per_token = opd.opd_loss(lp, lp_skill)
     assert torch.allclose(per_token, g * (lp_skill - lp))
@@ -55,7 +55,7 @@ def test_expected_opd_gradient_matches_the_paper():
     z = torch.randn(V, dtype=torch.float64)
     lp_skill = torch.log_softmax(z + torch.tensor([1.5, -1.0, 0.0, 0.3, -2.0, 0.8], dtype=torch.float64), -1)
     grad, pi = _expected_grad(opd.opd_loss, z, lp_skill)
-    g = opd.gates(lp_skill, torch.log_softmax(z, -1))              # [V]
+    g = opd.gates(torch.log_softmax(z, -1), lp_skill)              # [V]
     Z = (pi * g).sum()
     assert torch.allclose(grad, -pi * (g - Z), atol=1e-12)         # descent moves logit v by +pi(v)(g(v) - Z)
     promoted = g > Z
@@ -132,7 +132,7 @@ def _steps(tok):
         pieces = [text] if k != 1 else ["<think>ok</think><action>lo", "ok</action>"]   # "lo" + "ok":
         ids = sum((tok(p, add_special_tokens=False)["input_ids"] for p in pieces), []) + [tok.eos_token_id]
         steps.append(Step(prompt_text=prompt_text, prompt_ids=rollout.chat_ids(tok, prompt_text),
-                          response_ids=ids, response_text=tok.decode(ids), old_logprobs=[0.0] * len(ids),
+                          response_ids=ids, response_text=tok.decode(ids), engine_logprobs=[0.0] * len(ids),
                           observation="", action="", valid=True))
     # row 1 is a non-canonical tokenization: decoding and re-tokenizing it would change its ids
     assert tok(steps[1].response_text, add_special_tokens=False)["input_ids"] != steps[1].response_ids
@@ -153,7 +153,7 @@ def test_rescore_same_tokens_skill_after_task_line(smol):
                                                                            kw["attention_mask"].clone())),
                                            with_kwargs=True)
     try:
-        lp_skill = opd.rescore(model, tok, steps, [SKILL, None, SKILL], "alfworld", micro_batch=2)
+        lp_skill = opd.rescore(model, tok, steps, [SKILL, None, SKILL], micro_batch=2)
     finally:
         hook.remove()
     R = max(len(s.response_ids) for s in steps)
@@ -161,17 +161,17 @@ def test_rescore_same_tokens_skill_after_task_line(smol):
     # what the model saw: each row = the skill prompt's chat ids + the SAME response ids
     fed = [ids[am.bool()].tolist() for ids_b, am_b in seen for ids, am in zip(ids_b, am_b)]
     for s, skill in zip(steps, [SKILL, None, SKILL]):
-        prompt = opd.skill_prompt_ids(tok, s, skill, "alfworld") if skill else s.prompt_ids
+        prompt = opd.skill_prompt_ids(tok, s, skill) if skill else s.prompt_ids
         assert prompt + s.response_ids in fed
     # the skill appears once, on the line right after the task line, in the chat-templated text
-    text = tok.decode(opd.skill_prompt_ids(tok, steps[0], SKILL, "alfworld"))
+    text = tok.decode(opd.skill_prompt_ids(tok, steps[0], SKILL))
     assert text.count(SKILL) == 1
     lines = text.split("\n")
     at = next(i for i, ln in enumerate(lines) if ln.startswith("Your task is to:"))
     assert lines[at + 1:at + 6] == [""] + envs.skill_section(envs.EPISODE_SKILL, SKILL).split("\n") + [""]
     # the values: equal to a naive unpadded per-row computation
     for i, (s, skill) in enumerate(zip(steps, [SKILL, None, SKILL])):
-        prompt = opd.skill_prompt_ids(tok, s, skill, "alfworld") if skill else s.prompt_ids
+        prompt = opd.skill_prompt_ids(tok, s, skill) if skill else s.prompt_ids
         n = len(s.response_ids)
         assert (lp_skill[i, :n].double() - _naive(model, prompt, s.response_ids)).abs().max() < 1e-4
         assert (lp_skill[i, n:] == 0).all()
@@ -182,14 +182,14 @@ def test_rescore_empty_skill_equals_plain_and_skill_changes_it(smol):
     steps = _steps(tok)
     plain, mask, _ = grpo.response_logprobs(model, [s.prompt_ids for s in steps],
                                             [s.response_ids for s in steps], tok.pad_token_id)
-    lp = opd.rescore(model, tok, steps, ["", None, "   "], ["alfworld"] * 3, micro_batch=8)
+    lp = opd.rescore(model, tok, steps, ["", None, "   "], micro_batch=8)
     assert (lp - plain).abs().max() < 1e-5
-    lp = opd.rescore(model, tok, steps, [SKILL] * 3, "alfworld", micro_batch=1)
+    lp = opd.rescore(model, tok, steps, [SKILL] * 3, micro_batch=1)
     assert (lp - plain).abs().max() > 1e-2                         # the skill does change the scores
-    g = opd.gates(lp, plain)
+    g = opd.gates(plain, lp)
     assert ((g * mask) != 0.5 * mask).any()
     with pytest.raises(ValueError):
-        opd.rescore(model, tok, steps, [SKILL], "alfworld")
+        opd.rescore(model, tok, steps, [SKILL])
 
 
 # ----------------------------------------------------------------------------- critical-step skills in the teacher
@@ -197,7 +197,7 @@ def test_rescore_empty_skill_equals_plain_and_skill_changes_it(smol):
 def _analyzed(skill, step_skills, n=3):
     ep = rollout.Episode(task_id=0, group_id=0, env="alfworld", task="heat an apple", skill=skill,
                          step_skills=dict(step_skills))
-    ep.steps = [Step(prompt_text=PROMPT, prompt_ids=[], response_ids=[1], response_text="", old_logprobs=[0.0],
+    ep.steps = [Step(prompt_text=PROMPT, prompt_ids=[], response_ids=[1], response_text="", engine_logprobs=[0.0],
                      observation="", action="", valid=True) for _ in range(n)]
     return ep
 
@@ -227,7 +227,7 @@ def test_teacher_context_holds_the_chosen_sections(tokenizer):
     both (episode after the task line, step before the turn instruction), an episode row the episode one."""
     ep = _analyzed("Heat the apple in the microwave first.", {1: "Open the microwave now."})
     step = ep.steps[1]
-    text = lambda sk: tokenizer.decode(opd.skill_prompt_ids(tokenizer, step, sk, "alfworld"))
+    text = lambda sk: tokenizer.decode(opd.skill_prompt_ids(tokenizer, step, sk))
     cfg = lambda mode, teacher: type("Cfg", (), {"skill_mode": mode, "skill_teacher_mode": teacher})
     prio = text(opd.row_teachers([ep], cfg("episode_step", "step_priority"))[1])
     assert "Critical-Step Skill" in prio and "Open the microwave now." in prio and "Episode-Level Skill" not in prio

@@ -113,8 +113,8 @@ def test_collect_records(kind, request, tokenizer):
             assert s.response_text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
             assert s.prompt_ids == rollout.chat_ids(tokenizer, s.prompt_text)
             assert s.prompt_text.startswith("You are playing") and s.observation in s.prompt_text
-            assert len(s.old_logprobs) == len(s.response_ids) > 0
-            assert all(math.isfinite(x) and x <= 0 for x in s.old_logprobs)
+            assert len(s.engine_logprobs) == len(s.response_ids) > 0
+            assert all(math.isfinite(x) and x <= 0 for x in s.engine_logprobs)
             assert s.valid == (s.action != "")
     by_group = {}
     for ep in episodes:

@@ -101,7 +101,7 @@ def test_a_skill_reading_policy_has_a_positive_gap(tokenizer, tiny_model):
 
 
 def test_a_skill_that_changes_nothing_has_no_signal(tokenizer, tiny_model, monkeypatch):
-    monkeypatch.setattr(envs, "insert_skill", lambda prompt, skill, env_name=None, step_skill=None: prompt)
+    monkeypatch.setattr(envs, "insert_skill", lambda prompt, skill, step_skill=None: prompt)
     cfg = config("--seed", "1")
     res, _ = teacher_gap.measure(SkillReader(tokenizer, seed=1), tiny_model, tokenizer, cfg)
     for name in ("own", "oracle"):

@@ -71,7 +71,7 @@ def _max_gap(model, tok, steps):
                                       tok.pad_token_id)
     ref = torch.zeros_like(lp)
     for i, s in enumerate(steps):
-        ref[i, :len(s.old_logprobs)] = torch.tensor(s.old_logprobs)
+        ref[i, :len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs)
     return float((lp - ref).abs().max())
 
 
@@ -130,13 +130,13 @@ def test_rescore_keeps_the_images_and_inserts_the_skill_as_text(tiny_vl, vl):
     engine = rollout.make_engine("hf", tiny_vl, dtype="float32", seed=3, max_model_len=1024)
     steps = [s for ep in _collect(engine, tok) for s in ep.steps]
     skill = "Push the box toward the target from the side opposite to it."
-    plain = opd.rescore(model, tok, steps, [None] * len(steps), "sokoban")
-    with_skill = opd.rescore(model, tok, steps, [skill] * len(steps), "sokoban")
-    ids = opd.skill_prompt_ids(tok, steps[0], skill, "sokoban")
+    plain = opd.rescore(model, tok, steps, [None] * len(steps))
+    with_skill = opd.rescore(model, tok, steps, [skill] * len(steps))
+    ids = opd.skill_prompt_ids(tok, steps[0], skill)
     assert ids.images == steps[0].prompt_ids.images and len(ids) > len(steps[0].prompt_ids)
     for i, s in enumerate(steps):
         n = len(s.response_ids)
-        assert torch.allclose(plain[i, :n], torch.tensor(s.old_logprobs), atol=1e-4)
+        assert torch.allclose(plain[i, :n], torch.tensor(s.engine_logprobs), atol=1e-4)
     assert float((with_skill - plain).abs().max()) > 1e-4
 
 
@@ -158,7 +158,7 @@ def test_analysis_prompt_carries_the_episode_images(tiny_vl, vl):
     assert len(cut) <= whole - 5 and len(cut.images) < 3
     assert cut.images == analyzer.step_images(ep)[3 - len(cut.images):]              # the most recent ones
     text_ep = rollout.Episode(task_id=0, group_id=0, env="sokoban", task=ep.task, steps=[
-        rollout.Step(s.prompt_text, list(s.prompt_ids), s.response_ids, s.response_text, s.old_logprobs,
+        rollout.Step(s.prompt_text, list(s.prompt_ids), s.response_ids, s.response_text, s.engine_logprobs,
                      s.observation, s.action, s.valid) for s in ep.steps])
     assert envs.IMAGE not in analyzer.analysis_prompt(text_ep)[1]["content"]          # text episodes as before
     seen = []

@@ -14,6 +14,7 @@ import rollout
 import runfolder
 import seed
 import sft
+import testbed
 from tests.test_alfworld import REAL, hidden  # noqa: F401 (hidden: a fixture)
 
 
@@ -31,7 +32,7 @@ def test_warmup_targets_replay_valid_and_win(env_name, split, tasks, tokenizer):
     cfg = sft_config(["--env", env_name, "--max_steps", "30" if env_name == "alfworld" else "15",
                       "--history_length", "2"])
     cfg.data_dir = kw.get("data_dir", "")
-    per_task = sft.expert_examples(cfg, tokenizer, list(tasks), split)
+    per_task = testbed.expert_examples(cfg, tokenizer, list(tasks), split)
     assert all(per_task), "the expert failed a task"
     env = envs.from_config(cfg, split)
     for task, pairs in zip(tasks, per_task):
@@ -53,8 +54,8 @@ def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
     failure."""
     cfg = sft_config(["--env", "ezpoints", "--max_steps", "5", "--history_length", "0"])
     tasks = list(range(12))
-    plain = sft.expert_examples(cfg, tokenizer, tasks)
-    skilled = sft.expert_examples(cfg, tokenizer, tasks, skills=True)
+    plain = testbed.expert_examples(cfg, tokenizer, tasks)
+    skilled = testbed.expert_examples(cfg, tokenizer, tasks, skills=True)
     env, forms, rules = envs.from_config(cfg, "train"), set(), set()
     for task, p, q in zip(tasks, plain, skilled):
         _, info = env.reset(seed=task)
@@ -75,14 +76,14 @@ def test_skill_examples_carry_the_scripted_skill_and_obey_it(tokenizer):
 
 def test_alfworld_skill_examples_follow_the_route_the_skill_names(hidden, tokenizer):
     """In a hidden-object room (CPU testbed) a skill example's target walks the stored direct route that its
-    skill names, or, where the skill is in the failure form that names only empty places (sft.elimination_demo),
-    searches the other places; the plain example searches (sft.search_actions: goes to receptacles, opens the
+    skill names, or, where the skill is in the failure form that names only empty places (testbed.elimination_demo),
+    searches the other places; the plain example searches (testbed.search_actions: goes to receptacles, opens the
     closed ones, never the goal's, then the route from its take); all win."""
     out, _ = hidden
     cfg = sft_config(["--env", "alfworld", "--max_steps", "20", "--history_length", "0", "--data_dir", str(out)])
     tasks = list(range(8))
-    plain = sft.expert_examples(cfg, tokenizer, tasks, "valid_seen")
-    skilled = sft.expert_examples(cfg, tokenizer, tasks, "valid_seen", skills=True)
+    plain = testbed.expert_examples(cfg, tokenizer, tasks, "valid_seen")
+    skilled = testbed.expert_examples(cfg, tokenizer, tasks, "valid_seen", skills=True)
     env, forms = envs.from_config(cfg, "valid_seen"), set()
     said = lambda pairs: [envs.action_text(tokenizer.decode(c, skip_special_tokens=True)) for _, c in pairs]
     for task, p, q in zip(tasks, plain, skilled):
@@ -169,7 +170,7 @@ def test_ezpoints_thought_states_the_solution_and_the_formula_so_far():
     for task in range(12):
         env.reset(seed=task)
         while not env.done:
-            answer = json.loads(sft.expert_response(env))
+            answer = json.loads(testbed.expert_response(env))
             solution, rest = answer["thoughts"].split(" = 12. The formula so far is ")
             so_far, action = rest.rsplit(", so the next token is ", 1)
             assert ezpoints.evaluate(solution.split()) == 12
