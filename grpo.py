@@ -203,6 +203,7 @@ class Rows:
     old: list = None     # log pi_old per token
     ref: list = None     # log pi_ref per token
     lp_skill: list = None   # log pi_old per token under the skill-augmented context
+    engine: list = None  # log-prob per token as the rollout engine sampled it (Step.engine_logprobs)
 
     def __len__(self):
         return len(self.prompts)
@@ -210,7 +211,7 @@ class Rows:
     def take(self, idx):
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]
         return Rows([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.adv[idx],
-                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.lp_skill))
+                    self.has_skill[idx], pick(self.old), pick(self.ref), pick(self.lp_skill), pick(self.engine))
 
 
 def pad(seqs, R):
@@ -231,7 +232,8 @@ def make_rows(episodes, steps, penalty, cfg, teachers=None):
     adv = group_advantages(r, [episodes[e].group_id for e in row_episode], norm=cfg.adv_norm,
                            episode_ids=trajectory)                                 # [rows]
     has = torch.tensor([1.0 if k else 0.0 for k in teachers or [None] * len(steps)])   # [rows]
-    rows = Rows([s.prompt_ids for s in steps], [list(s.response_ids) for s in steps], adv, has)   # ImagePrompts kept
+    rows = Rows([s.prompt_ids for s in steps], [list(s.response_ids) for s in steps], adv, has,   # ImagePrompts kept
+                engine=[torch.tensor(s.engine_logprobs, dtype=torch.float32) for s in steps])
     return rows, row_episode
 
 

@@ -9,6 +9,7 @@ push into the engine, and evaluation (held-out episodes and their metrics, the r
 import glob
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import sys
@@ -50,6 +51,7 @@ class Episode:
     steps: list = field(default_factory=list)
     won: bool = False
     reward: float = 0.0         # episode reward R (10 * won; EM for search)
+    score: float | None = None  # the env's task score in [0, 1] where it reports one (WebShop), at the last step
     info: dict = field(default_factory=dict)   # env extras from reset (e.g. expert_plan)
     summary: str | None = None  # analyzer's episode_summary
     skill: str | None = None    # analyzer's episode_skill (None until analyzed or when parsing failed)
@@ -482,6 +484,8 @@ def collect(engine, tokenizer, env_list, tasks, group_size, temperature=1.0, max
                                  valid=bool(info.get("valid", False)), reward=float(reward)))
             ep.reward += float(reward)
             ep.won = ep.won or bool(info.get("won", False))
+            if "score" in info:
+                ep.score = float(info["score"])
             if cut:
                 ep.info["truncated_prompts"] = ep.info.get("truncated_prompts", 0) + 1
                 truncated_prompts += 1
@@ -502,15 +506,15 @@ def collect(engine, tokenizer, env_list, tasks, group_size, temperature=1.0, max
 
 def evaluate(engine, tokenizer, env_list, task_ids, temperature=0.4, max_tokens=512, skills=None, progress=False):
     """One episode of each task at the eval temperature, len(env_list) tasks at a time; `skills` (one per task)
-    in the prompt when given, else the plain policy. -> [(family, won, length, invalid steps, reward)], one per
-    task."""
+    in the prompt when given, else the plain policy. -> [(family, won, length, invalid steps, reward, score)], one
+    per task (score: the env's task score, nan where it reports none)."""
     out = []
     for i in range(0, len(task_ids), max(len(env_list), 1)):
         chunk = list(task_ids[i:i + len(env_list)])
         eps = collect(engine, tokenizer, env_list[:len(chunk)], chunk, 1, temperature=temperature,
                       max_tokens=max_tokens, skills=skills[i:i + len(chunk)] if skills else None, progress=progress)
-        out += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps), float(ep.reward))
-                for ep in eps]
+        out += [(ep.family, float(ep.won), ep.length, sum(not s.valid for s in ep.steps), float(ep.reward),
+                 float("nan") if ep.score is None else ep.score) for ep in eps]
     return out
 
 
@@ -537,8 +541,8 @@ def run_eval(run, with_skill=False):
 
 def eval_metrics(results, key):
     """evaluate's results (of every rank) -> {"<key>/success", "<key>/success_<family>", "<key>/success_macro"
-    (the mean over families), "<key>/length", "<key>/invalid_rate", "<key>/reward"} (nan when there are no
-    results)."""
+    (the mean over families), "<key>/length", "<key>/invalid_rate", "<key>/reward", and "<key>/score" where the env
+    scores its tasks (WebShop, Table 1's score column)} (nan when there are no results)."""
     fams = sorted({r[0] for r in results})
     per = {f: float(np.mean([r[1] for r in results if r[0] == f])) for f in fams}
     mean = lambda i: float(np.mean([r[i] for r in results])) if results else float("nan")
@@ -547,19 +551,24 @@ def eval_metrics(results, key):
            f"{key}/length": mean(2),
            f"{key}/invalid_rate": sum(r[3] for r in results) / max(sum(r[2] for r in results), 1),
            f"{key}/reward": mean(4)}
+    scores = [r[5] for r in results if len(r) > 5 and not math.isnan(r[5])]
+    if scores:
+        out[f"{key}/score"] = float(np.mean(scores))
     return out | {f"{key}/success_{f}": v for f, v in per.items()}
 
 
 def episode_metrics(episodes, stats):
     """Rollout statistics over all ranks: success, reward, length, invalid rate, skills, parse failures
     (`stats`: this rank's analyzer counts, analyzer.self_analyze's)."""
-    local = [(float(ep.won), ep.reward, ep.length, sum(not s.valid for s in ep.steps), bool(ep.skill))
+    local = [(float(ep.won), ep.reward, ep.length, sum(not s.valid for s in ep.steps), bool(ep.skill), ep.score)
              for ep in episodes]
     allep = [x for part in gather(local) for x in part]
     n, steps = len(allep), max(sum(x[2] for x in allep), 1)
     fails, first, tries = all_sum([stats.get(k, 0) for k in ("parse_failures", "first_try_failures", "episodes")])
-    return {"success": sum(x[0] for x in allep) / n, "reward": sum(x[1] for x in allep) / n,
-            "length": sum(x[2] for x in allep) / n, "invalid_rate": sum(x[3] for x in allep) / steps,
-            "skill_rate": sum(x[4] for x in allep) / n, "episodes": n, "rows": steps,
-            "parse_failure_rate": fails / tries if tries else float("nan"),      # after the retries
-            "first_try_failure_rate": first / tries if tries else float("nan")}  # before them
+    out = {"success": sum(x[0] for x in allep) / n, "reward": sum(x[1] for x in allep) / n,
+           "length": sum(x[2] for x in allep) / n, "invalid_rate": sum(x[3] for x in allep) / steps,
+           "skill_rate": sum(x[4] for x in allep) / n, "episodes": n, "rows": steps,
+           "parse_failure_rate": fails / tries if tries else float("nan"),      # after the retries
+           "first_try_failure_rate": first / tries if tries else float("nan")}  # before them
+    scores = [x[5] for x in allep if x[5] is not None]
+    return out | ({"score": sum(scores) / len(scores)} if scores else {})   # WebShop's task score

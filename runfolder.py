@@ -117,7 +117,7 @@ FLAG_CHECKS = {
     "clip_high": _zero_or_more,
     "dual_clip": (lambda v: v > 1, "greater than 1 (a bound above the clipped ratio's 1 + clip)"),
     "kl_coef": _zero_or_more, "ent_coef": _zero_or_more, "lambda_opd": _zero_or_more, "beta_opd": _zero_or_more,
-    "val_fraction": _fraction, "warmup_ratio": _fraction,
+    "val_fraction": _fraction, "warmup_ratio": _fraction, "lr_warmup": _fraction, "tis_cap": _zero_or_more,
     "replay": _zero_or_more, "skill_tasks": _zero_or_more,
     # evaluation and checkpoints
     "eval_every": (lambda v: v >= 0, "0 (never) or more"),

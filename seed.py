@@ -111,11 +111,13 @@ class Config:
     analyzer_max_tokens: int = 1024    # new tokens per analysis (authors' cap 4096; the JSON needs a few hundred)
     analyzer_retries: int = 0          # corrective re-asks on a parse failure (authors: none; ours rescued nothing)
     skill_library: str = ""            # Stage-1 skill library ("" = <init>/skills.jsonl)
-    skill_mode: str = "episode_step"   # skills the analyzer writes: episode_step | episode_only | step_only
+    skill_mode: str = "episode_only"   # skills the analyzer writes: episode_only (the authors' SEED launchers) |
+                                       # episode_step | step_only (critical-step skills, their _common default)
     skill_teacher_mode: str = "step_priority"   # a step with a step skill: step_priority (it alone) | additive (both)
     max_step_skills: int = 5           # step skills per episode at most (authors' launchers: 5; Search 2)
     # -- objective (the joint objective, Section 3.3; values of Appendix B.4 and the official launchers)
-    lr: float = 1e-6                   # AdamW learning rate, constant
+    lr: float = 1e-6                   # AdamW learning rate, constant after the warm-up
+    lr_warmup: float = 0.0             # share of the updates with a linear lr warm-up from 0 (Search 0.1)
     weight_decay: float = 0.01         # AdamW weight decay
     grad_clip: float = 1.0             # max global grad norm
     mini_batch_size: int = 256         # step rows per optimizer step, over all ranks (one pass over the batch)
@@ -127,11 +129,13 @@ class Config:
     ent_coef: float = 0.001            # entropy bonus
     lambda_opd: float = 0.01           # weight of the OPD term in the joint objective
     beta_opd: float = 5.0              # OPD gate sharpness: g = sigmoid(beta * (lp_skill - lp))
+    tis_cap: float = 0.0               # truncated importance sampling on GRPO's loss, min(pi_old / pi_engine, cap)
+                                       # per token (0 = off, as the authors; TRL's cap 3)
     adv_norm: str = "std"              # std | mean_norm (no division by the std; official WebShop launcher)
     adv_level: str = "step"            # step (every step row counts, official code) | trajectory (the paper's formula)
     # -- evaluation (no skill, temperature 0.4)
-    eval_every: int = 10               # evaluate every this many updates (and after the last); 0 = never
-    eval_tasks: int = 0                # held-out tasks per split (0 = the whole split)
+    eval_every: int = 5                # evaluate every this many updates (and after the last); 0 = never
+    eval_tasks: int = 128              # held-out tasks per split, one episode each (0 = the whole split)
     eval_temperature: float = 0.4      # sampling temperature at evaluation
     eval_greedy: bool = False          # also evaluate greedily (temperature 0), logged as eval_greedy/<split>/...
     eval_first: bool = False           # also evaluate the starting policy, before update 0 (a line with update -1)
@@ -201,16 +205,18 @@ def rl_update(u, run):
             rows.lp_skill = opd.rescore_rows(run.no_grad_model, run.tok, steps, teachers, cfg)
     with timed(sec, "update"):    # 6. mini-batch updates of the joint objective, one pass, rows shuffled
         order = np.random.default_rng([cfg.seed, u, rank]).permutation(len(rows))
+        for group in run.opt.param_groups:
+            group["lr"] = learning_rate(cfg, u)
         sums, norms, own_lp = update_policy(run, rows, order, u)
     with timed(sec, "diagnostics"):   # can the teacher teach? (tie share; the skill's shift on action tokens)
         lp_old = rows.old if rows.old is not None else own_lp
         diag = opd.teacher_diagnostics(run.tok, cfg, rows, lp_old, steps, teachers if rescored else None,
-                                       [episodes[e].group_id for e in row_episode])
+                                       [episodes[e].group_id for e in row_episode]) | engine_gap(rows.engine, lp_old)
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
         rollout.push(run.engine, run.model, run.opt)
     step_skills = algo.skills == "live" and cfg.skill_mode != "episode_only"   # the analyzer wrote step skills
     return (rollout.episode_metrics(episodes, stats) | (opd.step_skill_metrics(episodes, teachers) if step_skills
-            else {}) | loss_metrics(sums, norms, algo) | diag | sec, records)
+            else {}) | loss_metrics(sums, norms, algo) | {"lr": learning_rate(cfg, u)} | diag | sec, records)
 
 
 def teacher_skills(run, algo, episodes):
@@ -223,6 +229,24 @@ def teacher_skills(run, algo, episodes):
         for ep in episodes:
             ep.skill = run.library.retrieve(run.cfg.env, ep.family, analyzer.episode_key(ep))
     return {}
+
+
+def learning_rate(cfg, u):
+    """Update u's lr: a linear warm-up from 0 over the first int(lr_warmup * updates) updates, then constant (the
+    authors' constant schedule with warm-up, stepped once per update: update 0 of a warm-up trains at lr 0)."""
+    warm = int(cfg.lr_warmup * cfg.updates)
+    return cfg.lr * min(1.0, u / warm) if warm else cfg.lr
+
+
+def engine_gap(engine_lp, lp_old):
+    """diag/engine_lp_diff_{mean,max}: |engine log-prob - the trainer's log pi_old| over every response token of
+    every rank. The engine sampled with the same weights: 0 up to rounding in float32, about 0.1-0.3 in bf16; a
+    larger gap makes the ratio off-policy (--tis_cap corrects it)."""
+    d = [(e.float() - o.detach().float().cpu()).abs() for e, o in zip(engine_lp, lp_old) if len(e)]   # [tokens] each
+    total, n = all_sum([float(sum(x.sum() for x in d)), float(sum(len(x) for x in d))])
+    top = max(gather(max((float(x.max()) for x in d), default=0.0)))
+    return {"diag/engine_lp_diff_mean": total / n if n else float("nan"),
+            "diag/engine_lp_diff_max": top if n else float("nan")}
 
 
 def old_logprobs(run, rows):
@@ -252,6 +276,8 @@ def micro_loss(run, mb, n_tok, n_skill, progress=0.0):
     adv = mb.adv.to(lp.device)                                                     # [rows]
     skill_mask = mb.has_skill.to(lp.device)[:, None] * mask                        # [rows, R]
     pg = grpo.policy_loss(lp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip)   # [rows, R]
+    if cfg.tis_cap > 0:   # the engine sampled the tokens, not pi_old: weight by the truncated ratio (README: TIS)
+        pg = pg * torch.exp(old - padded(mb.engine)).clamp(max=cfg.tis_cap).detach()  # [rows, R]
     w = None
     if algo.distill == "rlsd":                          # teacher gap = per-token magnitude, A = direction
         w = 1.0 + skill_mask * (opd.rlsd_weights(lp, lp_skill, adv, RLSD_EPS, 1.0 - progress) - 1.0)   # [rows, R]

@@ -67,7 +67,7 @@ class SFTConfig:
     annotate_batch: int = 32           # episodes per annotation round (each round is cached)
     analyzer_max_prompt_tokens: int = 16384   # analysis prompt budget, as seed.py's (the same prompt in both stages)
     analyzer_max_tokens: int = 1024    # new tokens per external analysis (authors' 1,024), kept free in the context
-    skill_mode: str = "episode_step"   # skills the labels hold, as seed.py's (the per-env defaults are shared)
+    skill_mode: str = "episode_only"   # skills the labels hold, as seed.py's (the per-env defaults are shared)
     max_step_skills: int = 5           # step skills per label at most, as seed.py's
     epochs: int = 3                    # SFT epochs
     val_fraction: float = 0.1          # share of the (prompt, JSON) pairs held out for the validation loss (seeded)

@@ -41,7 +41,11 @@ def parse_args(argv):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="sokoban", choices=sorted(EVAL_SPLITS))
-    ap.add_argument("--algos", default="seed,grpo,static_skills", help="comma-separated seed.py --algo values")
+    ap.add_argument("--algos", default="seed,grpo,static_skills",
+                    help="comma-separated arms: <seed.py --algo>[@warm][+flag=value...], from the Stage-1 checkpoint or "
+                         "with @warm from the warm start (grpo@warm: Table 1's GRPO, no Stage 1), with flags of its own "
+                         "(seed+lambda_opd=0.1)")
+    ap.add_argument("--reference", default="seed", help="the arm every other is paired against in the table")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per algo: first_seed .. first_seed + seeds - 1")
     ap.add_argument("--first_seed", type=int, default=0, help="the first seed (its first algo evaluates the start)")
     ap.add_argument("--updates", type=int, default=12, help="Stage-2 updates per run")
@@ -121,6 +125,22 @@ def seed_argv(args, stage1, extra):
     return argv + extra
 
 
+def arm_argv(arm, warm, stage1):
+    """An arm of --algos -> the seed.py flags it adds to the shared ones (a later flag wins): its --algo, its start
+    (--init: the Stage-1 checkpoint, or the warm start for <algo>@warm) and its own +flag=value pairs."""
+    head, *flags = arm.split("+")
+    algo, _, start = head.partition("@")
+    if start not in ("", "warm") or not all("=" in f for f in flags):
+        sys.exit(f"bad arm {arm!r}: <algo>[@warm][+flag=value...]")
+    return ["--algo", algo, "--init", warm if start else stage1] + [x for f in flags for x in ("--" + f.split("=")[0],
+                                                                                                f.split("=", 1)[1])]
+
+
+def label(arm):
+    """The table's name of an arm: the paper's row where it is one (GRPO from Stage 1 is Table 2's w/o OPD)."""
+    return {"grpo": "w/o OPD (grpo from Stage 1)", "grpo@warm": "GRPO (Table 1: from the warm start)"}.get(arm, arm)
+
+
 def seeds(args):
     return range(args.first_seed, args.first_seed + args.seeds)
 
@@ -147,7 +167,10 @@ def lines_of(args, cache, algo, s):
     return read(os.path.join(run_folder(cache, algo, s), "metrics.jsonl")) or read(kept(args, algo, s))
 
 
-def run_all(args, cache, shared):
+def run_all(args, cache, shared, warm, stage1):
+    starts = {}   # the first arm of each start evaluates it before update 0 (first seed): the others share it
+    for algo in args.algos:
+        starts.setdefault(arm_argv(algo, warm, stage1)[3], algo)
     for s in seeds(args):                # seed-major: every algo has the same number of seeds done so far
         for algo in args.algos:
             run_dir = run_folder(cache, algo, s)
@@ -156,9 +179,9 @@ def run_all(args, cache, shared):
                 continue
             os.makedirs(run_dir, exist_ok=True)
             # every run starts from the same checkpoint: its evaluation before update 0 is made once (first run)
-            first = ["--eval_first"] if (s, algo) == (args.first_seed, args.algos[0]) else []
-            wall = common.run_py(["seed.py", *shared, "--algo", algo, "--seed", str(s), "--out", run_dir, "--resume",
-                                  *first],
+            mine = arm_argv(algo, warm, stage1)
+            first = ["--eval_first"] if s == args.first_seed and starts[mine[3]] == algo else []
+            wall = common.run_py(["seed.py", *shared, *mine, "--seed", str(s), "--out", run_dir, "--resume", *first],
                                  os.path.join(run_dir, "bench_stdout.log"), "learning")
             print(f"[learning] {algo} seed {s}: {wall:.0f} s", flush=True)
             metrics, copy = os.path.join(run_dir, "metrics.jsonl"), kept(args, algo, s)
@@ -235,7 +258,7 @@ def ci95(xs):
 def table(args, res, cmd):
     """table.md: per algo, held-out success at the start and the end (mean ± std over seeds), area under the
     curve, train episode length and invalid rate, the diag/* means (tied groups, gate std, gate-advantage
-    covariance), seconds per update; then SEED - other at matched updates."""
+    covariance), seconds per update; then (--reference) - other at matched updates, each arm named by label()."""
     # "the end" is the last evaluation every run has reached (all of them once the benchmark is done)
     end = min((max(r["eval"]) for runs in res.values() for r in runs if r["eval"]), default=0)
     upto = lambda c: {x: y for x, y in c.items() if x <= end}
@@ -255,7 +278,7 @@ def table(args, res, cmd):
         done = [len(r["lines"]) for r in runs]
         sec = [np.mean([m["sec/total"] - m.get("sec/eval", 0.0) for m in r["lines"]]) for r in runs]
         per = lambda key: [mean_of(r["lines"], key) for r in runs]
-        out.append(f"| {algo} | {len(runs)} | {min(done)}-{max(done)} | {pm([first(r['eval']) for r in runs])} | "
+        out.append(f"| {label(algo)} | {len(runs)} | {min(done)}-{max(done)} | {pm([first(r['eval']) for r in runs])} | "
                    f"{pm([last(r['eval']) for r in runs])} | {pm([first(r['greedy']) for r in runs])} | "
                    f"{pm([last(r['greedy']) for r in runs])} | {pm([area(r['eval']) for r in runs])} | "
                    f"{pm(per('success'))} | {pm(per('length'))} | {pm(per('invalid_rate'))} | "
@@ -267,19 +290,20 @@ def table(args, res, cmd):
     for algo, runs in res.items():
         at = {r["seed"]: last(r["eval"]) for r in runs}
         out.append(f"| {algo} | " + " | ".join("-" if at.get(i) is None else f"{at[i]:.3f}" for i in ids) + " |")
-    if "seed" in res and len(res) > 1:
-        out += ["", "SEED minus each other algo on held-out success (T=0.4), paired by seed (same task draws and "
+    ref = args.reference
+    if ref in res and len(res) > 1:
+        out += ["", f"{label(ref)} minus each other arm on held-out success (T=0.4), paired by seed (same task draws and "
                 f"held-out tasks), at matched updates; mean ± SE [95% interval] over the seeds both have (a seed's "
                 f"difference averages {args.eval_tasks} tasks x {len(EVAL_SPLITS[args.env])} split(s) x 1 sample; "
                 "SE = sample std / sqrt(seeds), the interval Student's t):", ""]
-        others = [a for a in res if a != "seed"]
-        xs = sorted(set().union(*[r["eval"] for r in res["seed"]]))
-        out += ["| updates done | " + " | ".join(f"SEED - {a}" for a in others) + " |",
+        others = [a for a in res if a != ref]
+        xs = sorted(set().union(*[r["eval"] for r in res[ref]]))
+        out += ["| updates done | " + " | ".join(f"{label(ref)} - ({label(a)})" for a in others) + " |",
                 "|---|" + "---|" * len(others)]
         for x in [x for x in xs if x <= end] + ["AUC"]:
             cells = []
             for a in others:
-                pairs = [(r, o) for r in res["seed"] for o in res[a] if r["seed"] == o["seed"]]
+                pairs = [(r, o) for r in res[ref] for o in res[a] if r["seed"] == o["seed"]]
                 if x == "AUC":
                     d = [area(r["eval"]) - area(o["eval"]) for r, o in pairs]
                 else:
@@ -362,7 +386,7 @@ def main(argv=None):
         with open(saved, "w") as f:
             json.dump({"seed_argv": shared, "checkpoint_flags": built, "warmup": warm, "stage1": stage1,
                        "machine": common.machine()}, f, indent=2)
-        run_all(args, cache, shared)
+        run_all(args, cache, shared, warm, stage1)
     return report(args, cache, cmd)
 
 

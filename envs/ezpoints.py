@@ -196,7 +196,7 @@ class EZPointsEnv(gym.Env):
     response_format = "json"         # {"thoughts": ..., "action": ...}, the authors' gym_cards format
     observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
     defaults = dict(max_steps=5, history_length=2, max_prompt_tokens=1024, max_tokens=256,
-                    skill_mode="episode_only", max_step_skills=0)   # the authors' launcher (docs/design-notes.md)
+                    max_step_skills=0)   # the authors' launcher (docs/design-notes.md)
 
     def __init__(self, max_steps=5, history_length=2, split="train", image=False):
         if split not in SPLIT_ORDER:

@@ -191,7 +191,9 @@ class SearchEnv(gym.Env):
     response_format = "tags"         # <think> spans as the others' (no <action>: no action tokens)
     observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
     defaults = dict(tasks_per_update=128, max_steps=4, history_length=4, max_prompt_tokens=4096,
-                    kl_coef=0.001, ent_coef=0.0, max_step_skills=2)   # the authors' launcher (docs/design-notes.md)
+                    kl_coef=0.001, ent_coef=0.0, max_step_skills=2,   # the authors' launcher (docs/design-notes.md):
+                    mini_batch_size=512, lr_warmup=0.1,             # 512 step rows a step, 10 % warm-up,
+                    eval_every=150, eval_tasks=0)                   # the whole test set after update 150 only
 
     def __init__(self, retriever_url="http://127.0.0.1:8000/retrieve", data=None, split="train",
                  max_steps=4, topk=3, history_length=4, timeout=10.0, retries=4, backoff=0.5):

@@ -192,7 +192,7 @@ class SokobanEnv(gym.Env):
     response_format = "tags"         # <think>...</think><action>...</action> (envs.RESPONSE_SPANS)
     observation_in_task_key = True    # one task text for every room: the library keys on it + the first board
     defaults = dict(max_steps=15, history_length=2, max_prompt_tokens=1024, max_tokens=256,
-                    skill_mode="episode_only", max_step_skills=2)   # the authors' launcher (docs/design-notes.md)
+                    max_step_skills=2)   # the authors' launcher (docs/design-notes.md)
 
     def __init__(self, split="train", dim=6, num_boxes=1, max_steps=15, history_length=2, image=False):
         if split not in SPLIT_SEED:

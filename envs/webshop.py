@@ -80,7 +80,8 @@ class WebShopEnv(gym.Env):
     eval_splits = ("test",)          # held-out splits seed.py evaluates on
     response_format = "tags"         # <think>...</think><action>...</action> (envs.RESPONSE_SPANS)
     observation_in_task_key = False   # the library files a skill under the task text (analyzer.task_key)
-    defaults = dict(max_steps=15, history_length=2, max_prompt_tokens=4096, adv_norm="mean_norm")   # the launcher
+    defaults = dict(max_steps=15, history_length=2, max_prompt_tokens=4096, adv_norm="mean_norm",   # the launcher
+                    mini_batch_size=64)
 
     def __init__(self, split="train", max_steps=15, history_length=2, num_products=None,
                  human_goals=False, text_env=None, small=True, train_from=500):

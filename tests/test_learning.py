@@ -4,6 +4,8 @@ count as finished, the area under the held-out curve, and SEED minus GRPO paired
 import json
 import os
 
+import pytest
+
 from bench import learning
 
 
@@ -83,9 +85,26 @@ def test_the_shared_start_is_evaluated_once(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(common, "run_py", lambda argv, log, tag: calls.append(argv) or 0.0)
     args, extra = learning.parse_args(["--algos", "seed,grpo", "--seeds", "2"])
-    learning.run_all(args, str(tmp_path), learning.seed_argv(args, "stage1", extra))
+    learning.run_all(args, str(tmp_path), learning.seed_argv(args, "stage1", extra), "warm", "stage1")
     runs = [(a[a.index("--algo") + 1], a[a.index("--seed") + 1], "--eval_first" in a) for a in calls]
     assert runs == [("seed", "0", True), ("grpo", "0", False), ("seed", "1", False), ("grpo", "1", False)]
+
+
+def test_arms_start_where_their_paper_row_starts(tmp_path, monkeypatch):
+    """grpo@warm is Table 1's GRPO: it starts from the warm start (no Stage 1) and evaluates that start itself;
+    an arm's +flag=value pairs reach its seed.py run (a later flag wins over the shared ones)."""
+    from bench import common
+    calls = []
+    monkeypatch.setattr(common, "run_py", lambda argv, log, tag: calls.append(argv) or 0.0)
+    args, extra = learning.parse_args(["--algos", "grpo,grpo@warm,seed+lambda_opd=0.1", "--seeds", "1"])
+    learning.run_all(args, str(tmp_path), learning.seed_argv(args, "stage1", extra), "warm", "stage1")
+    last = lambda a, flag: a[len(a) - 1 - a[::-1].index(flag) + 1]      # the value argparse keeps
+    assert [(last(a, "--algo"), last(a, "--init"), "--eval_first" in a) for a in calls] == [
+        ("grpo", "stage1", True), ("grpo", "warm", True), ("seed", "stage1", False)]
+    assert last(calls[2], "--lambda_opd") == "0.1" and "--lambda_opd" not in calls[0]
+    assert learning.label("grpo").startswith("w/o OPD") and learning.label("grpo@warm").startswith("GRPO (Table 1")
+    with pytest.raises(SystemExit, match="bad arm"):
+        learning.arm_argv("grpo@base", "warm", "stage1")
 
 
 def test_a_later_sitting_adds_seeds_and_finished_runs_outlive_the_cache(tmp_path, monkeypatch):
@@ -102,11 +121,11 @@ def test_a_later_sitting_adds_seeds_and_finished_runs_outlive_the_cache(tmp_path
     monkeypatch.setattr(common, "run_py", fake_run)
     args, extra = learning.parse_args(["--algos", "seed,grpo", "--seeds", "2", "--first_seed", "2", "--updates", "2",
                                        "--eval_every", "2"])
-    learning.run_all(args, str(tmp_path / "cache"), learning.seed_argv(args, "stage1", extra))
+    learning.run_all(args, str(tmp_path / "cache"), learning.seed_argv(args, "stage1", extra), "warm", "stage1")
     runs = [(a[a.index("--algo") + 1], a[a.index("--seed") + 1], "--eval_first" in a) for a in calls]
     assert runs == [("seed", "2", True), ("grpo", "2", False), ("seed", "3", False), ("grpo", "3", False)]
     calls.clear()
-    learning.run_all(args, str(tmp_path / "other_machine"), learning.seed_argv(args, "stage1", extra))
+    learning.run_all(args, str(tmp_path / "other_machine"), learning.seed_argv(args, "stage1", extra), "warm", "stage1")
     assert calls == []                                                  # the kept copies say: all done
     res = learning.report(args, str(tmp_path / "other_machine"), "bench/learning.py ...")
     assert [r["seed"] for r in res["grpo"]] == [2, 3]
