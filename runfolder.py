@@ -296,7 +296,7 @@ def write_episodes(run_dir, u, records):
 
 def episode_record(ep):
     return {"task_id": ep.task_id, "group_id": ep.group_id, "env": ep.env, "task": ep.task, "family": ep.family,
-            "won": ep.won, "reward": ep.reward, "length": ep.length, "summary": ep.summary, "skill": ep.skill,
+            "won": ep.won, "reward": ep.reward, "score": ep.score, "length": ep.length, "summary": ep.summary, "skill": ep.skill,
             "step_skills": {str(t): k for t, k in sorted(ep.step_skills.items())},
             "first_prompt": ep.steps[0].prompt_text if ep.steps else "",   # what the actor saw at step 1
             "steps": [{"observation": s.observation, "response": s.response_text, "action": s.action,

@@ -59,10 +59,11 @@ def test_flags_env_columns_and_overrides():
 
 
 def test_skill_modes_per_env_are_the_authors_launchers():
-    """examples/seed_trainer/_common/*.sh at 2cf2fad: ALFWorld, WebShop, Search run critical-step skills with a
-    step_priority teacher (5, 5, 2 step skills per trajectory); Sokoban and EZPoints episode skills. Stage 1
-    writes its labels in the same mode."""
-    want = {"alfworld": ("episode_step", 5), "webshop": ("episode_step", 5), "search": ("episode_step", 2),
+    """Every entry-point SEED launcher of the authors (examples/seed_trainer/run_*_sft_*_self.sh at 2cf2fad, line 47)
+    exports SEED_SKILL_MODE=episode_only before calling _common/<env>.sh, whose episode_step default then never
+    applies: episode skills on every env (the step-skill caps, 5, 5, 2, 2, 0, matter only under --skill_mode
+    episode_step / step_only). Stage 1 writes its labels in the same mode."""
+    want = {"alfworld": ("episode_only", 5), "webshop": ("episode_only", 5), "search": ("episode_only", 2),
             "sokoban": ("episode_only", 2), "ezpoints": ("episode_only", 0)}
     for env, (mode, k) in want.items():
         c = seed.parse_config(["--env", env])
@@ -70,6 +71,45 @@ def test_skill_modes_per_env_are_the_authors_launchers():
         s = runfolder.parse_config(["--env", env], sft.SFTConfig, sft.ENV_DEFAULTS)
         assert (s.skill_mode, s.max_step_skills) == (mode, k)
     assert sft.main.__module__ == "sft" and runfolder.parse_config([], sft.SFTConfig).k0 == 8
+
+
+def test_launch_defaults_per_env_are_the_authors():
+    """_common/<env>.sh at 2cf2fad: validation on 128 tasks, one sample each at T=0.4, every 5 updates and after the
+    last (none before training); Search validates its whole test set after its 150th update only, with a 10 %
+    warm-up; mini-batches of 256 / 64 / 512 step rows (ppo_mini_batch_size, not multiplied: the actor's rollout.n
+    is 1, the group size is env.rollout.n)."""
+    want = {"alfworld": (5, 128, 256, 0.0), "webshop": (5, 128, 64, 0.0), "search": (150, 0, 512, 0.1),
+            "sokoban": (5, 128, 256, 0.0), "ezpoints": (5, 128, 256, 0.0)}
+    for env, w in want.items():
+        c = seed.parse_config(["--env", env])
+        assert (c.eval_every, c.eval_tasks, c.mini_batch_size, c.lr_warmup) == w, env
+        assert (c.eval_temperature, c.eval_first, c.updates, c.tis_cap) == (0.4, False, 150, 0.0)
+    c = seed.parse_config(["--env", "search"])
+    assert [seed.learning_rate(c, u) for u in (0, 1, 14, 15, 149)] == pytest.approx([0, 1e-6 / 15, 14e-6 / 15, 1e-6, 1e-6])
+    assert seed.learning_rate(seed.parse_config([]), 0) == 1e-6        # no warm-up: constant from update 0
+
+
+def test_truncated_importance_sampling_weights_grpo_by_the_capped_ratio(smol):
+    """--tis_cap C multiplies GRPO's per-token loss by min(exp(lp_old - lp_engine), C) (detached): tokens the engine
+    sampled 0.5 nats less likely than pi_old get e^0.5, those 2 nats less likely get the cap; off (0) it is plain
+    GRPO, whatever the engine's log-probs."""
+    from types import SimpleNamespace
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from dist_update import fixed_rows
+    model, tok = smol
+    rows = fixed_rows(model, n=4)
+    rows.engine = [o - (0.5 if i % 2 else 2.0) for i, o in enumerate(rows.old)]
+    lens = [len(r) for r in rows.responses]
+    with torch.no_grad():
+        lp, mask, _ = grpo.response_logprobs(model, rows.prompts, rows.responses, tok.pad_token_id)   # [4, R]
+    old = grpo.pad(rows.old, lp.shape[1])
+    pg = grpo.policy_loss(lp, old, rows.adv, mask)                                                   # [4, R]
+    w = torch.tensor([3.0 if i % 2 == 0 else math.exp(0.5) for i in range(4)])[:, None]              # [4, 1]
+    for cap, weight in ((0.0, 1.0), (3.0, w)):
+        cfg = seed.Config(algo="grpo", kl_coef=0.0, ent_coef=0.0, tis_cap=cap, dtype="float32")
+        run = SimpleNamespace(cfg=cfg, model=model, tok=tok, world=1, device=torch.device("cpu"))
+        value, _, _ = seed.micro_loss(run, rows, float(sum(lens)), 0.0)
+        assert float(value.detach()) == pytest.approx(float((pg * weight * mask).sum()) / sum(lens), rel=1e-4)
 
 
 def test_stage1_defaults_are_the_authors():
@@ -666,3 +706,65 @@ def test_one_mini_batch_update_returns_its_forward_as_pi_old(smol):
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
     rows.old = expected
     assert seed.update_policy(run, rows)[2] is None
+
+
+def test_engine_and_trainer_agree_in_a_vllm_run(tmp_path, monkeypatch, vllm_engine, model_path):
+    """Two updates of a run on the session's float32 vLLM engine (seed.build_run, rl_update): the engine's own
+    log-probs of its sampled tokens equal the trainer's log pi_old to float32 rounding (diag/engine_lp_diff_*), before
+    the first push and after it (a push that left stale weights in the engine would show here as ~0.1 or more)."""
+    base, _, _ = rollout.load_model(model_path)
+    vllm_engine.push_weights(base)                      # the session's engine holds the run's starting weights
+    monkeypatch.setattr(rollout, "make_engine", lambda *a, **kw: vllm_engine)
+    monkeypatch.setattr(vllm_engine, "close", lambda: None)
+    cfg = seed.parse_config(["--env", "sokoban", "--algo", "grpo", "--out", str(tmp_path / "run"), "--updates", "2",
+                             "--tasks_per_update", "1", "--group_size", "4", "--max_steps", "2", "--max_tokens", "16",
+                             "--engine", "vllm", "--eval_every", "0", "--micro_batch_size", "4", "--kl_coef", "0",
+                             "--lr", "1e-4", "--save_every", "99"])
+    seed.validate(cfg)
+    run = seed.build_run(cfg)
+    try:
+        gaps = [seed.rl_update(u, run)[0] for u in range(2)]
+    finally:
+        vllm_engine.push_weights(base)                  # the session's engine goes back to the base weights
+    for m in gaps:
+        assert m["diag/engine_lp_diff_mean"] <= 1e-4 and m["diag/engine_lp_diff_max"] <= 1e-3, m
+    assert m["lr"] == 1e-4
+
+
+class _WebShopScript(_RandomEZPoints):
+    """An engine that plays every WebShop episode the same three turns (search a lamp, click the first result,
+    buy it), one turn per generate call; no weights to push."""
+    TURNS = ("search[wooden desk lamp]", "click[b001]", "click[buy now]")
+
+    def __init__(self, tok, max_model_len=4096):
+        super().__init__(tok, max_model_len)
+        self.turn = 0
+
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        text = f"<think>next</think><action>{self.TURNS[self.turn % 3]}</action>"
+        self.turn += 1
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+        return [(ids, [-1.0] * len(ids)) for _ in range(len(prompt_ids_list) * n)]
+
+
+def test_webshop_score_in_a_runs_metrics(tmp_path, monkeypatch):
+    """Table 1 reports WebShop's score beside its success: the adapter's score of each episode (on the stand-in shop,
+    tests/test_envs.py: WebShop's data can't be fetched here) reaches the episode records, the update's metrics
+    (`score`, their mean) and the evaluation's (`eval/test/score`). The script buys product b001 every time: 0.5 on
+    the goals that ask for it (no option chosen), 0.1 on the others, never a win."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_envs import StandInShop
+    from envs import webshop
+    tok = rollout.load_model(rollout.EMBEDDED)[1]
+    monkeypatch.setattr(rollout, "make_engine", lambda *a, **kw: _WebShopScript(tok))
+    monkeypatch.setattr(webshop, "official_env", lambda *a, **kw: StandInShop())
+    out = str(tmp_path / "run")
+    seed.main(["--env", "webshop", "--init", "", "--algo", "grpo", "--out", out, "--updates", "1",
+               "--tasks_per_update", "4", "--group_size", "2", "--max_steps", "3", "--max_tokens", "32",
+               "--micro_batch_size", "8", "--eval_every", "1", "--eval_tasks", "8", "--kl_coef", "0", "--save_every", "5"])
+    m = lines(out)[0]
+    eps = [json.loads(x) for x in open(os.path.join(out, "episodes", "update_0000.jsonl"))]
+    assert sorted({e["score"] for e in eps}) <= [0.1, 0.5] and not any(e["won"] for e in eps)
+    assert m["score"] == pytest.approx(sum(e["score"] for e in eps) / len(eps)) and m["success"] == 0.0
+    assert m["eval/test/score"] == pytest.approx((2 * 0.5 + 6 * 0.1) / 8)   # test goals 0..7: b001 is asked by 0 and 4
+    shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
