@@ -355,12 +355,14 @@ def _key_steps(plan, cap=12):
     return out if len(out) <= cap else out[:cap - 1] + ["...", out[-1]]
 
 
-def scripted_analysis(episode, max_steps=None, max_step_skills=0):
+def scripted_analysis(episode, max_steps=None, max_step_skills=0, oracle=False):
     """Stage-1 analysis written from the env's own knowledge, no model: a workflow from
     episode.info["expert_plan"] for a success; for a failure, an avoidance rule from what went wrong
     (invalid actions, repeated actions, running out of steps: pass the env's `max_steps`, else
     episode.info["max_steps"] is used when present) plus the expert's key steps; and up to
-    `max_step_skills` step skills (scripted_step_skills).
+    `max_step_skills` step skills (scripted_step_skills). A failure in a hidden-object room (the CPU testbed)
+    names only what the episode saw, unless `oracle` (seed.py --teacher oracle): then the route, which knows
+    where the object lay.
     -> {"episode_summary", "episode_skill", "step_skills"}."""
     ep, plan = episode, _key_steps(episode.info.get("expert_plan") or [])
     route, task = " -> ".join(plan), episode.task.strip().rstrip(".")
@@ -391,7 +393,7 @@ def scripted_analysis(episode, max_steps=None, max_step_skills=0):
     summary = f"The agent failed the task '{task}': " + "; ".join(problems) + "."
     skill = "Avoid this failure: " + "; ".join(rules) + "."
     unseen = None
-    if plan and ep.info.get("hidden"):   # a CPU-testbed room (envs/alfworld_gen.py --hidden): name only what was seen
+    if plan and ep.info.get("hidden") and not oracle:   # a CPU-testbed room (alfworld_gen.py --hidden): name only what was seen
         import testbed
         unseen = testbed.hidden_hindsight(ep, plan)
     if unseen:

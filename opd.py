@@ -19,6 +19,8 @@ self-distillation: every token weighted by its own teacher/student log-ratio, i.
 KL(pi || pi_skill); opsd, grpo_opsd, skill_sd) and `rlsd_weights` (RLSD's bounded per-token weight on the
 GRPO loss); static skills only change where the skill string comes from (`analyzer.SkillLibrary`).
 """
+import math
+
 import torch
 
 import envs
@@ -150,18 +152,25 @@ def rescore_rows(model, tokenizer, steps, skills, cfg):
 def shift_samples(lp, lp_skill, action, thought, adv, beta=5.0):
     """The teacher's shift on the student's own sampled tokens, per row: delta = lp_skill - lp on every response
     token, on the action tokens and on the thought tokens (envs.response_masks), and each row's mean gate over its
-    response tokens (the tokens Eq. 7's loss weights) with its GRPO advantage. lp, lp_skill: one 1-D tensor per
-    row; action, thought: one bool list per row; adv: one float per row. -> {"response": [delta], "action":
-    [delta], "thought": [delta], "rows": [(gate, adv)]}, plain floats (so that ranks can gather them)."""
-    out = {"response": [], "action": [], "thought": [], "rows": []}
+    response tokens (the tokens Eq. 7's loss weights) with its GRPO advantage; for a decision made in one or two
+    tokens, which percentiles over all tokens miss, each row's largest |delta| over its response and over its
+    thought tokens, and delta on the tokens where the student was unsure (its own probability below 0.5). lp,
+    lp_skill: one 1-D tensor per row; action, thought: one bool list per row; adv: one float per row.
+    -> {"response", "action", "thought", "unsure": [delta], "rows": [(gate, adv)], "row_max", "row_max_thought":
+    [max |delta|]}, plain floats (so that ranks can gather them)."""
+    out = {"response": [], "action": [], "thought": [], "unsure": [], "rows": [], "row_max": [], "row_max_thought": []}
     for p, s, am, tm, a in zip(lp, lp_skill, action, thought, adv):
-        d = s.detach().float().cpu() - p.detach().float().cpu()                   # [tokens]
+        p = p.detach().float().cpu()                                               # [tokens]
+        d = s.detach().float().cpu() - p                                           # [tokens]
         am, tm = torch.tensor(am, dtype=torch.bool), torch.tensor(tm, dtype=torch.bool)
         out["response"] += d.tolist()
         out["action"] += d[am].tolist()
         out["thought"] += d[tm].tolist()
+        out["unsure"] += d[p < math.log(0.5)].tolist()
         if len(d):
             out["rows"].append((float(gates(torch.zeros_like(d), d, beta).mean()), float(a)))
+            out["row_max"].append(float(d.abs().max()))
+            out["row_max_thought"] += [float(d[tm].abs().max())] if tm.any() else []
     return out
 
 
@@ -172,7 +181,12 @@ def shift_metrics(samples, beta=5.0, big=0.5):
     over rows of the row's mean gate and its advantage: > 0 when the teacher favours what won, the sample form of
     Eq. 8); action_tokens. nan where there is nothing to measure. Where the env's thought already names the move
     (EZPoints: "... so the next token is 8"), the action token is a copy and its delta is ~0 whatever the skill
-    does: the skill's effect sits on the thought, and gate_std_response sees it."""
+    does: the skill's effect sits on the thought, and gate_std_response sees it. Where the decision is one token
+    of a row (a hidden room's receptacle name), per-token statistics miss it and per-row ones see it:
+    row_shift_share (rows whose largest |delta| over response tokens > big), row_max_delta_p50 (the median of that
+    largest |delta|), thought_row_shift_share (the same over thought tokens), and on the tokens where the student
+    was unsure (p < 0.5): unsure_shift_share (|delta| > big), delta_unsure_abs_mean, unsure_tokens; gate_mean_response
+    (the gate's mean over response tokens: Z, around which OPD promotes and suppresses, Appendix A)."""
     nan = float("nan")
     out = {}
     for part in ("action", "thought"):
@@ -189,7 +203,14 @@ def shift_metrics(samples, beta=5.0, big=0.5):
     dev = rows - rows.mean(0) if len(rows) else rows                               # [rows, 2]
     out["gate_adv_cov"] = float((dev[:, 0] * dev[:, 1]).mean()) if len(rows) > 1 else nan
     out["action_tokens"] = len(d)
-    return out
+    share = lambda xs: float((torch.tensor(xs, dtype=torch.float64).abs() > big).double().mean()) if len(xs) else nan
+    u = torch.tensor(samples.get("unsure", []), dtype=torch.float64)               # [unsure tokens]
+    m = torch.tensor(samples.get("row_max", []), dtype=torch.float64)              # [rows]
+    g = torch.sigmoid(beta * torch.tensor(samples.get("response", []), dtype=torch.float64))   # [tokens]
+    return out | {"row_shift_share": share(samples.get("row_max", [])), "row_max_delta_p50": float(m.median()) if
+                  len(m) else nan, "thought_row_shift_share": share(samples.get("row_max_thought", [])),
+                  "unsure_shift_share": share(u.tolist()), "delta_unsure_abs_mean": float(u.abs().mean()) if len(u)
+                  else nan, "unsure_tokens": len(u), "gate_mean_response": float(g.mean()) if len(g) else nan}
 
 
 def teacher_diagnostics(tok, cfg, rows, lp_old, steps, teachers, groups):
@@ -197,7 +218,7 @@ def teacher_diagnostics(tok, cfg, rows, lp_old, steps, teachers, groups):
     GRPO's gradient is zero there) and, where a teacher was scored (`teachers` not None), shift_metrics of
     rows.lp_skill against the snapshot's `lp_old` on the rows with a teacher, under "diag/": delta percentiles on
     action and thought tokens, the gate's std on action tokens and on all response tokens, the share of action
-    tokens with |delta| > 0.5, and the gate-advantage covariance."""
+    tokens with |delta| > 0.5, the gate-advantage covariance, and the per-row statistics of a sparse decision."""
     tied, n = all_sum(list(grpo.tied_groups(rows.adv, groups)))
     out = {"diag/tied_groups": tied / n if n else float("nan")}
     if teachers is None:

@@ -73,6 +73,7 @@ ALGOS = {
     "skill_sd": Algo(skills="library", distill="opsd"),
     "opd_only": Algo(skills="live", pg=False, distill="opd", lambda_opd=1.0),   # pure distillation: no GRPO term
 }
+TEACHERS = ("live", "oracle", "hindsight")   # --teacher: the analyzer, or the scripted annotator (testbed)
 MAX_SKIPS = 3     # optimizer steps in a row with a non-finite grad norm before the run stops (update_policy)
 RLSD_EPS = 0.2   # RLSD's bound on its per-token weight, w in [1 - eps, 1 + eps] (value not given: PPO's clip)
 
@@ -111,6 +112,9 @@ class Config:
     analyzer_max_tokens: int = 1024    # new tokens per analysis (authors' cap 4096; the JSON needs a few hundred)
     analyzer_retries: int = 0          # corrective re-asks on a parse failure (authors: none; ours rescued nothing)
     skill_library: str = ""            # Stage-1 skill library ("" = <init>/skills.jsonl)
+    teacher: str = "live"              # who writes a live algo's skills: live (the snapshot, the method) | oracle (the
+                                       # scripted annotator, knowing the game) | hindsight (it, naming only what the
+                                       # episode saw): oracle and hindsight are testbed diagnostics (README)
     skill_mode: str = "episode_only"   # skills the analyzer writes: episode_only (the authors' SEED launchers) |
                                        # episode_step | step_only (critical-step skills, their _common default)
     skill_teacher_mode: str = "step_priority"   # a step with a step skill: step_priority (it alone) | additive (both)
@@ -220,9 +224,15 @@ def rl_update(u, run):
 
 
 def teacher_skills(run, algo, episodes):
-    """Each episode's skill by the algo's skill source: live, the snapshot analyzes it (greedy, Section 3.3);
-    library, a Stage-1 skill by family then BM25, where a teacher is scored (static skills, Skill-SD; another
-    source, e.g. the scripted annotator, is one more branch). -> the analyzer's counts ({} when it did not run)."""
+    """Each episode's skill by the algo's skill source: live, the snapshot analyzes it (greedy, Section 3.3), or
+    with --teacher oracle / hindsight the scripted annotator does (the testbed's oracle teacher, not the method);
+    library, a Stage-1 skill by family then BM25, where a teacher is scored (static skills, Skill-SD).
+    -> the analyzer's counts ({} when it did not run)."""
+    if algo.skills == "live" and run.cfg.teacher != "live":   # a scripted teacher in the analyzer's place
+        for ep in episodes:
+            a = analyzer.scripted_analysis(ep, run.cfg.max_steps, run.cfg.max_step_skills, run.cfg.teacher == "oracle")
+            ep.summary, ep.skill, ep.step_skills = a["episode_summary"], a["episode_skill"], a["step_skills"]
+        return {}
     if algo.skills == "live":
         return analyzer.self_analyze(run.engine, run.tok, episodes, run.cfg, run.rank == 0)
     if algo.skills == "library" and algo.distill != "none":
@@ -409,6 +419,9 @@ def validate(cfg):
              f"{'|'.join(opd.TEACHER_MODES)}, got {cfg.skill_mode!r}, {cfg.skill_teacher_mode!r}")
     if cfg.max_step_skills < 0 or (cfg.skill_mode == "step_only" and cfg.max_step_skills == 0):
         fail(f"--max_step_skills must be 0 or more (at least 1 with --skill_mode step_only), got {cfg.max_step_skills}")
+    if cfg.teacher not in TEACHERS or (cfg.teacher != "live" and ALGOS[cfg.algo].skills != "live"):
+        fail(f"--teacher must be {'|'.join(TEACHERS)}, and other than live only for an algo whose skills are live "
+             f"({', '.join(k for k, a in ALGOS.items() if a.skills == 'live')}); got {cfg.teacher!r} with {cfg.algo}")
     if cfg.init and not os.path.isfile(os.path.join(cfg.init, "config.json")):
         fail(f"--init {cfg.init} is not a checkpoint folder (no config.json); run sft.py first, "
              f"or pass --init '' for the no-SFT ablation")

@@ -62,6 +62,7 @@ class GapConfig(seed.Config):
     split: str = ""                    # task split ("" = the env's first held-out split, its eval_splits)
     group_size: int = 4                # samples per task (>= 2: the GRPO advantage of the covariance needs a group)
     min_gate_std: float = 0.1          # the verdict's threshold on the gate's std over response tokens
+    min_row_share: float = 0.1         # ... or on the share of rows whose largest |delta| exceeds 0.5 (a sparse decision)
     shift_rows: int = 256              # (d) on a seeded sample of this many step rows (0 = all; each costs 3 forwards)
 
 
@@ -130,19 +131,20 @@ def measure(engine, model, tok, cfg, progress=False):
         stats = analyzer.self_analyze(engine, tok, student, cfg, progress)
     own = [ep.skill for ep in student]
     has_expert = all(ep.info.get("expert_plan") for ep in student)
-    scripted = [analyzer.scripted_analysis(ep, cfg.max_steps, cfg.max_step_skills) for ep in student] if has_expert else []
-    oracle = [a["episode_skill"] for a in scripted] or None
+    hidden = has_expert and any(ep.info.get("hidden") for ep in student)   # where the two scripted teachers differ
+    scripted = {name: [analyzer.scripted_analysis(ep, cfg.max_steps, cfg.max_step_skills, oracle=name == "oracle")
+                       for ep in student] for name in (("oracle", "hindsight") if hidden else ("oracle",)) if has_expert}
+    skills = {"own": own} | {name: [a["episode_skill"] for a in s] for name, s in scripted.items()}
     with timed(sec, "replay"):
-        again = replay(engine, tok, cfg, student, {"own": own} | ({"oracle": oracle} if oracle else {}), progress)
+        again = replay(engine, tok, cfg, student, skills, progress)
     with timed(sec, "shift"):
         steps = [s for ep in student for s in ep.steps]
         rows, row_episode = grpo.make_rows(student, steps, play_envs[0].invalid_penalty, cfg)
         tied, groups = grpo.tied_groups(rows.adv, [student[e].group_id for e in row_episode])
-        oracle_eps = [SimpleNamespace(skill=a["episode_skill"], steps=ep.steps, step_skills=a["step_skills"])
-                      for a, ep in zip(scripted, student)]   # the scripted annotation as the live one's fields
         teachers = {"own": opd.row_teachers(student, cfg)}                        # per row: (episode, step) or None
-        if oracle:
-            teachers["oracle"] = opd.row_teachers(oracle_eps, cfg)
+        for name, s in scripted.items():   # the scripted annotation as the live one's fields
+            teachers[name] = opd.row_teachers([SimpleNamespace(skill=a["episode_skill"], steps=ep.steps,
+                                                               step_skills=a["step_skills"]) for a, ep in zip(s, student)], cfg)
         need = [i for i in range(len(steps)) if any(ks[i] for ks in teachers.values())]
         if cfg.shift_rows and len(need) > cfg.shift_rows:   # a seeded sample; the other rows count for no teacher
             need = sorted(np.random.default_rng([cfg.seed, 4]).choice(need, cfg.shift_rows, replace=False).tolist())
@@ -152,7 +154,7 @@ def measure(engine, model, tok, cfg, progress=False):
         shifts = {name: shift(model, tok, steps, ks, rows.adv, plain, cfg, device) for name, ks in teachers.items()}
     a = per_task(student, n, G)
     res = {"config": asdict(cfg), "tasks": n, "samples": G, "student": float(a.mean()), "per_task": {"student": a.tolist()},
-           "skill_rate": {"own": 1 - stats["parse_failures"] / max(stats["episodes"], 1)} | ({"oracle": 1.0} if oracle else {}),
+           "skill_rate": {"own": 1 - stats["parse_failures"] / max(stats["episodes"], 1)} | {k: 1.0 for k in scripted},
            "tied_groups": tied / groups, "shift": shifts}
     won = np.array([ep.won for ep in student], bool)                                        # [n * G]
     for name, eps in again.items():
@@ -161,18 +163,31 @@ def measure(engine, model, tok, cfg, progress=False):
         res[f"gap_{name}"], res[f"se_{name}"] = paired_gap(b, a)
         r = np.array([float(ep.won) for ep in eps])                                         # [n * G], (a)'s order
         res[f"after_{name}"] = {k: float(r[m].mean()) if m.any() else float("nan") for k, m in (("won", won), ("lost", ~won))}
-    res["signal"] = bool(res["gap_own"] - 2 * res["se_own"] > 0 and shifts.get("own", {}).get("gate_std_response", 0) >= cfg.min_gate_std)
+    res["signals"] = {name: has_signal(res, name, cfg) for name in again}
+    res["signal"] = res["signals"]["own"]
     res["verdict"] = verdict(res, cfg)
     res["sec"] = {k.split("/")[-1]: v for k, v in sec.items()} | {"total": sum(sec.values())}
     return res, student
 
 
+def has_signal(res, name, cfg):
+    """A teacher gives OPD a signal when its gap is above 0 by 2 SE and the skill moves the student's tokens: the
+    gate's std over response tokens >= --min_gate_std (a skill that shifts many tokens), or the share of rows whose
+    largest |delta| > 0.5 >= --min_row_share (a decision of one or two tokens a row, which the std cannot see)."""
+    sh = res["shift"].get(name, {})
+    moved = sh.get("gate_std_response", 0) >= cfg.min_gate_std or sh.get("row_shift_share", 0) >= cfg.min_row_share
+    return bool(res[f"gap_{name}"] - 2 * res[f"se_{name}"] > 0 and moved)
+
+
 def verdict(res, cfg):
     g, se = res["gap_own"], res["se_own"]
-    std = res["shift"].get("own", {}).get("gate_std_response", float("nan"))
+    sh = res["shift"].get("own", {})
+    std, share = sh.get("gate_std_response", float("nan")), sh.get("row_shift_share", float("nan"))
+    others = "; ".join(f"{n}: {'signal' if s else 'no signal'}" for n, s in res["signals"].items() if n != "own")
     return (f"teacher gap (own skill) {g:+.3f} +- {se:.3f} (SE over {res['tasks']} tasks), gate std on response "
-            f"tokens {std:.3f}: OPD has {'a' if res['signal'] else 'no'} signal "
-            f"(rule: gap - 2 SE > 0 and gate std >= {cfg.min_gate_std:g})")
+            f"tokens {std:.3f}, rows moved > 0.5 {share:.3f}: OPD has {'a' if res['signal'] else 'no'} signal "
+            f"(rule: gap - 2 SE > 0 and (gate std >= {cfg.min_gate_std:g} or rows moved >= {cfg.min_row_share:g}))"
+            + (f"; {others}" if others else ""))
 
 
 # ----------------------------------------------------------------------------- the table
@@ -184,7 +199,8 @@ def table(res, cfg):
              f"T={cfg.temperature:g}, checkpoint {cfg.init or cfg.model}",
              f"{'':34s}{'success':>9s}{'gap':>9s}{'SE':>8s}{'skills':>8s}{'after won':>11s}{'lost':>7s}",
              f"{'(a) student, no skill':34s}{res['student']:9.3f}"]
-    for key, label in (("own", "(b) own hindsight skill"), ("oracle", "(c) oracle (scripted) skill")):
+    for key, label in (("own", "(b) own hindsight skill"), ("oracle", "(c) oracle (scripted, knows the game)"),
+                       ("hindsight", "(c') scripted, what the episode saw")):
         if key in res:
             after = res["after_" + key]
             lines.append(f"{label:34s}{res[key]:9.3f}{f(res['gap_' + key]):>9s}{res['se_' + key]:8.3f}"
@@ -198,6 +214,11 @@ def table(res, cfg):
                      ("gate_std_action", f"gate std, action (beta {cfg.beta_opd:g})"),
                      ("gate_std_response", "gate std, all response tokens"),
                      ("action_shift_share", "share |delta| > 0.5, action"),
+                     ("row_shift_share", "rows with max |delta| > 0.5"),
+                     ("row_max_delta_p50", "row max |delta|, median"),
+                     ("thought_row_shift_share", "rows, thought max |delta| > 0.5"),
+                     ("unsure_shift_share", "unsure tokens (p<0.5) |delta|>0.5"),
+                     ("delta_unsure_abs_mean", "unsure tokens, mean |delta|"),
                      ("gate_adv_cov", "cov(row gate, advantage)")):
         lines.append(f"    {label:34s}" + "".join(f"{f(res['shift'][n][k]):>12s}" for n in names))
     lines.append(f"    {'rows / action tokens':34s}" + "".join(

@@ -415,6 +415,38 @@ def test_scripted_failure_in_a_hidden_room_names_only_what_it_saw():
     assert blind["episode_skill"].endswith("The book was not found: look in each place once, opening the closed ones.")
     won = analyzer.scripted_analysis(episode(True, missed, task="put a book in desk", info=info), 6)["episode_skill"]
     assert "workflow: go to drawer 2 -> open drawer 2" in won                      # a success keeps its workflow
+    # the oracle teacher (seed.py --teacher oracle) knows the game: the route, where the book lay, after any failure
+    oracle = analyzer.scripted_analysis(episode(False, missed, task="put a book in desk", info=info), 6, oracle=True)
+    assert "key steps are: go to drawer 2 -> open drawer 2 -> take book 1 from drawer 2" in oracle["episode_skill"]
+    assert "was not in" not in oracle["episode_skill"]
+
+
+def test_oracle_and_hindsight_teachers_write_the_scripted_annotators_skills():
+    """seed.py --teacher oracle / hindsight: every episode's skill, summary and step skills are the scripted
+    annotator's (with oracle=True / False), the analyzer never runs, and only an algo whose skills are live
+    accepts the flag."""
+    from types import SimpleNamespace
+    import seed
+    plan = ["go to drawer 2", "open drawer 2", "take book 1 from drawer 2", "go to desk 1", "move book 1 to desk 1"]
+    act = lambda a: (f"<think>t</think><action>{a}</action>", True, a)
+    steps = [("You arrive at shelf 1. On the shelf 1, you see a pen 1.", *act("go to desk 1")),
+             ("You arrive at desk 1. On the desk 1, you see a pen 2.", *act("go to shelf 1"))]
+    info = {"expert_plan": plan, "hidden": True}
+    for teacher in ("oracle", "hindsight"):
+        eps = [episode(False, steps, task="put a book in desk", info=info), episode(True, steps, task="put a book in desk",
+                                                                                   info=info)]
+        cfg = seed.Config(env="alfworld", algo="opd_only", teacher=teacher, max_steps=6, max_step_skills=2)
+        run = SimpleNamespace(cfg=cfg, engine=None, tok=None, rank=0)   # no engine: the analyzer must not run
+        assert seed.teacher_skills(run, seed.ALGOS["opd_only"], eps) == {}
+        for ep in eps:
+            want = analyzer.scripted_analysis(ep, 6, 2, oracle=teacher == "oracle")
+            assert (ep.skill, ep.summary, ep.step_skills) == (want["episode_skill"], want["episode_summary"],
+                                                               want["step_skills"])
+        assert ("take book 1 from drawer 2" in eps[0].skill) == (teacher == "oracle")
+    with pytest.raises(SystemExit):
+        seed.validate(seed.Config(env="sokoban", algo="grpo", teacher="oracle"))
+    with pytest.raises(SystemExit):
+        seed.validate(seed.Config(env="sokoban", algo="seed", teacher="expert"))
 
 
 # ----------------------------------------------------------------------------- the external analyzer

@@ -237,3 +237,28 @@ def test_teacher_context_holds_the_chosen_sections(tokenizer):
     plain = text(opd.row_teachers([ep], cfg("episode_step", "step_priority"))[0])
     assert "Episode-Level Skill" in plain and "Critical-Step Skill" not in plain
     assert text("Heat the apple in the microwave first.") == plain                # a str is the episode skill
+
+
+def test_a_one_token_decision_shows_in_the_row_statistics_not_the_percentiles():
+    """A hidden room's decision is one token of a ~33-token response (the receptacle's name in the thought; the
+    action copies it): a skill that moves only that token (delta +3 on 1 of 24 thought tokens, 0 elsewhere) leaves
+    the thought's p5 / p95 at 0 and the gate's std under the old verdict's 0.1, while every row's largest |delta|
+    exceeds 0.5 (row_shift_share 1) and the unsure tokens (p < 0.5) carry the shift; a skill that moves nothing
+    scores 0 on all of them."""
+    n, T, decision = 32, 33, 5
+    thought = [[t < 24 for t in range(T)]] * n
+    action = [[t >= 28 for t in range(T)]] * n
+    lp = [torch.full((T,), -0.05) for _ in range(n)]
+    for x in lp:
+        x[decision] = math.log(0.3)                              # the student was unsure at the decision
+    moved = [x.clone() for x in lp]
+    for x in moved:
+        x[decision] += 3.0
+    m = opd.shift_metrics(opd.shift_samples(lp, moved, action, thought, [0.0] * n), beta=5.0)
+    assert m["delta_thought_p95"] == pytest.approx(0.0) and m["delta_thought_p5"] == pytest.approx(0.0)
+    assert m["gate_std_response"] < 0.1 and m["action_shift_share"] == 0.0
+    assert m["row_shift_share"] == 1.0 and m["thought_row_shift_share"] == 1.0 and m["row_max_delta_p50"] == pytest.approx(3.0)
+    assert m["unsure_tokens"] == n and m["unsure_shift_share"] == 1.0 and m["delta_unsure_abs_mean"] == pytest.approx(3.0)
+    still = opd.shift_metrics(opd.shift_samples(lp, lp, action, thought, [0.0] * n), beta=5.0)
+    assert still["row_shift_share"] == still["unsure_shift_share"] == still["row_max_delta_p50"] == 0.0
+    assert still["gate_mean_response"] == pytest.approx(0.5)
