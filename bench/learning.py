@@ -1,4 +1,5 @@
-"""The CPU testbed (README): does the embedded agent learn, and does SEED beat GRPO and the paper's
+"""The CPU testbed (README): does the embedded agent learn, and does SEED beat GRPO from the same Stage-1 checkpoint (Table 2's "w/o OPD"),
+GRPO from the warm start (Table 1's GRPO: no Stage 1, `grpo@warm`) and the paper's
 "w/o on-policy skills" ablation (`static_skills`, Section 4.1 / B.2) on the same budget?
 
     warm start   sft.py --stage warmup           behaviour cloning on the env's solver (built once, cached)

@@ -1,5 +1,5 @@
 """bench/learning.py's bookkeeping, on hand-written metrics lines in seed.py's format (no model): which runs
-count as finished, the area under the held-out curve, and SEED minus GRPO paired by seed at matched updates
+count as finished, the area under the held-out curve, and one arm minus another (SEED - (w/o OPD)) paired by seed at matched updates
 (mean, standard error and Student's t 95% interval)."""
 import json
 import os
