@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import envs
 import vision
-from parallel import gather, rank_world, unwrap
+from parallel import gather, rank_world, teardown_dist, unwrap
 
 CHECKPOINT = "checkpoint"   # the run's last checkpoint, inside the run folder
 
@@ -325,7 +325,7 @@ def read_metrics(run_dir):
 def plot_curves(run_dir, lines):
     """curves.png: success (train and eval), episode length, invalid-action rate (train and eval), OPD loss,
     gate mean +- std, KL to the reference, the teacher's shift on action tokens (delta percentiles, gate std)
-    and the share of tied groups with the gate-advantage covariance (opd.teacher_diagnostics)."""
+    and the share of tied groups with the gate-advantage covariance (diagnostics.teacher_diagnostics)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -472,3 +472,14 @@ def resume(run_dir, model, opt, data_rng, engine=None):
             f.writelines(json.dumps(m) + "\n" for m in kept)
         print(f"[seed] resumed {run_dir} at update {start}", flush=True)
     return start
+
+
+def finish(run):
+    """The end of a run: every rank done, the engine closed, then the process group."""
+    if dist.is_initialized():
+        dist.barrier()
+    run.engine.close()   # first: vLLM's shutdown tears down its groups on top of the trainer's
+    teardown_dist()
+    if run.rank == 0:
+        print(f"[seed] done: {os.path.join(run.run_dir, 'metrics.jsonl')}, {os.path.join(run.run_dir, 'curves.png')}, "
+              f"{os.path.join(run.run_dir, CHECKPOINT)}", flush=True)

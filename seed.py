@@ -31,16 +31,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import analyzer
+import diagnostics
 import envs
 import grpo
 import opd
 import rollout
 import runfolder
-from parallel import all_sum, autocast, chunked, gather, grad_sync, resolved_dtype, setup_dist, teardown_dist
+from parallel import all_sum, autocast, chunked, gather, grad_sync, resolved_dtype, setup_dist
 from runfolder import fail, timed
 
 if TYPE_CHECKING:
@@ -112,9 +112,8 @@ class Config:
     analyzer_max_tokens: int = 1024    # new tokens per analysis (authors' cap 4096; the JSON needs a few hundred)
     analyzer_retries: int = 0          # corrective re-asks on a parse failure (authors: none; ours rescued nothing)
     skill_library: str = ""            # Stage-1 skill library ("" = <init>/skills.jsonl)
-    teacher: str = "live"              # who writes a live algo's skills: live (the snapshot, the method) | oracle (the
-                                       # scripted annotator, knowing the game) | hindsight (it, naming only what the
-                                       # episode saw): oracle and hindsight are testbed diagnostics (README)
+    teacher: str = "live"              # a live algo's skill writer: live (the snapshot: the method) | oracle | hindsight
+                                       # (the scripted annotator knowing the game / what the episode saw: README)
     skill_mode: str = "episode_only"   # skills the analyzer writes: episode_only (the authors' SEED launchers) |
                                        # episode_step | step_only (critical-step skills, their _common default)
     skill_teacher_mode: str = "step_priority"   # a step with a step skill: step_priority (it alone) | additive (both)
@@ -133,8 +132,7 @@ class Config:
     ent_coef: float = 0.001            # entropy bonus
     lambda_opd: float = 0.01           # weight of the OPD term in the joint objective
     beta_opd: float = 5.0              # OPD gate sharpness: g = sigmoid(beta * (lp_skill - lp))
-    tis_cap: float = 0.0               # truncated importance sampling on GRPO's loss, min(pi_old / pi_engine, cap)
-                                       # per token (0 = off, as the authors; TRL's cap 3)
+    tis_cap: float = 0.0               # GRPO's loss x min(pi_old / pi_engine, cap) per token (0 = off, as the authors)
     adv_norm: str = "std"              # std | mean_norm (no division by the std; official WebShop launcher)
     adv_level: str = "step"            # step (every step row counts, official code) | trajectory (the paper's formula)
     # -- evaluation (no skill, temperature 0.4)
@@ -214,12 +212,12 @@ def rl_update(u, run):
         sums, norms, own_lp = update_policy(run, rows, order, u)
     with timed(sec, "diagnostics"):   # can the teacher teach? (tie share; the skill's shift on action tokens)
         lp_old = rows.old if rows.old is not None else own_lp
-        diag = opd.teacher_diagnostics(run.tok, cfg, rows, lp_old, steps, teachers if rescored else None,
-                                       [episodes[e].group_id for e in row_episode]) | engine_gap(rows.engine, lp_old)
+        diag = diagnostics.teacher_diagnostics(run.tok, cfg, rows, lp_old, steps, teachers if rescored else None,
+                                       [episodes[e].group_id for e in row_episode]) | diagnostics.engine_gap(rows.engine, lp_old)
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
         rollout.push(run.engine, run.model, run.opt)
     step_skills = algo.skills == "live" and cfg.skill_mode != "episode_only"   # the analyzer wrote step skills
-    return (rollout.episode_metrics(episodes, stats) | (opd.step_skill_metrics(episodes, teachers) if step_skills
+    return (rollout.episode_metrics(episodes, stats) | (diagnostics.step_skill_metrics(episodes, teachers) if step_skills
             else {}) | loss_metrics(sums, norms, algo) | {"lr": learning_rate(cfg, u)} | diag | sec, records)
 
 
@@ -246,17 +244,6 @@ def learning_rate(cfg, u):
     authors' constant schedule with warm-up, stepped once per update: update 0 of a warm-up trains at lr 0)."""
     warm = int(cfg.lr_warmup * cfg.updates)
     return cfg.lr * min(1.0, u / warm) if warm else cfg.lr
-
-
-def engine_gap(engine_lp, lp_old):
-    """diag/engine_lp_diff_{mean,max}: |engine log-prob - the trainer's log pi_old| over every response token of
-    every rank. The engine sampled with the same weights: 0 up to rounding in float32, about 0.1-0.3 in bf16; a
-    larger gap makes the ratio off-policy (--tis_cap corrects it)."""
-    d = [(e.float() - o.detach().float().cpu()).abs() for e, o in zip(engine_lp, lp_old) if len(e)]   # [tokens] each
-    total, n = all_sum([float(sum(x.sum() for x in d)), float(sum(len(x) for x in d))])
-    top = max(gather(max((float(x.max()) for x in d), default=0.0)))
-    return {"diag/engine_lp_diff_mean": total / n if n else float("nan"),
-            "diag/engine_lp_diff_max": top if n else float("nan")}
 
 
 def old_logprobs(run, rows):
@@ -417,8 +404,8 @@ def validate(cfg):
     if cfg.skill_mode not in analyzer.SKILL_MODES or cfg.skill_teacher_mode not in opd.TEACHER_MODES:
         fail(f"--skill_mode must be {'|'.join(analyzer.SKILL_MODES)} and --skill_teacher_mode "
              f"{'|'.join(opd.TEACHER_MODES)}, got {cfg.skill_mode!r}, {cfg.skill_teacher_mode!r}")
-    if cfg.max_step_skills < 0 or (cfg.skill_mode == "step_only" and cfg.max_step_skills == 0):
-        fail(f"--max_step_skills must be 0 or more (at least 1 with --skill_mode step_only), got {cfg.max_step_skills}")
+    if cfg.skill_mode == "step_only" and cfg.max_step_skills == 0:   # (the ranges: runfolder.FLAG_CHECKS)
+        fail("--skill_mode step_only needs --max_step_skills 1 or more")
     if cfg.teacher not in TEACHERS or (cfg.teacher != "live" and ALGOS[cfg.algo].skills != "live"):
         fail(f"--teacher must be {'|'.join(TEACHERS)}, and other than live only for an algo whose skills are live "
              f"({', '.join(k for k, a in ALGOS.items() if a.skills == 'live')}); got {cfg.teacher!r} with {cfg.algo}")
@@ -428,24 +415,6 @@ def validate(cfg):
     if ALGOS[cfg.algo].skills == "library" and not os.path.isfile(library_path(cfg)):
         fail(f"--algo {cfg.algo} needs the Stage-1 skill library {library_path(cfg)!r} (written by sft.py "
              f"next to its checkpoint; or pass --skill_library)")
-    for name in ("updates", "analyzer_retries"):
-        if getattr(cfg, name) < 0:
-            fail(f"--{name} must be 0 or more, got {getattr(cfg, name)}")
-    if not 0.0 < cfg.train_fraction <= 1.0:
-        fail(f"--train_fraction must be in (0, 1] (a share of the training tasks), got {cfg.train_fraction}")
-
-
-def train_subset(num_tasks, fraction, seed):
-    """The training task ids a run draws from (the sample-efficiency study, Table 6): the first
-    ceil(fraction * num_tasks) (at least 1) of a permutation seeded by `seed`, sorted; 1 -> every task."""
-    perm = np.random.default_rng([seed, 1]).permutation(num_tasks)   # a stream apart from the data order's
-    k = max(1, math.ceil(round(fraction * num_tasks, 6)))            # round: 0.6 * 5 is 3.0000000000000004
-    return np.sort(perm[:k])
-
-
-def eval_task_ids(cfg, split, rank, world):
-    n = envs.from_config(cfg, split).num_tasks
-    return list(range(min(cfg.eval_tasks, n) if cfg.eval_tasks else n))[rank::world]
 
 
 def library_path(cfg):
@@ -481,24 +450,13 @@ def build_run(cfg):
     start = runfolder.resume(cfg.out, model, opt, data_rng, engine) if resuming else 0
     n_local = cfg.tasks_per_update // world * cfg.group_size
     train_envs = [envs.from_config(cfg, "train") for _ in range(n_local)]
-    train_ids = train_subset(train_envs[0].num_tasks, cfg.train_fraction, cfg.seed)
+    train_ids = envs.train_subset(train_envs[0].num_tasks, cfg.train_fraction, cfg.seed)
     if rank == 0 and cfg.train_fraction < 1:
         print(f"[seed] --train_fraction {cfg.train_fraction}: {len(train_ids)} of {train_envs[0].num_tasks} "
               f"training tasks", flush=True)
-    eval_ids = {s: eval_task_ids(cfg, s, rank, world) for s in envs.env_class(cfg.env).eval_splits}
+    eval_ids = {s: envs.eval_task_ids(cfg, s, rank, world) for s in envs.env_class(cfg.env).eval_splits}
     return Run(cfg, rank, world, device, cfg.out, tok, model, no_grad_model, ref, opt, engine, data_rng, library,
                train_envs, train_ids, eval_ids, start=start)
-
-
-def finish(run):
-    """The end of a run: every rank done, the engine closed, then the process group."""
-    if dist.is_initialized():
-        dist.barrier()
-    run.engine.close()   # first: vLLM's shutdown tears down its groups on top of the trainer's
-    teardown_dist()
-    if run.rank == 0:
-        print(f"[seed] done: {os.path.join(run.run_dir, 'metrics.jsonl')}, {os.path.join(run.run_dir, 'curves.png')}, "
-              f"{os.path.join(run.run_dir, runfolder.CHECKPOINT)}", flush=True)
 
 
 # ----------------------------------------------------------------------------- main: Algorithm 1's loop
@@ -535,7 +493,7 @@ def main(argv=None):
             print(runfolder.summary_line(metrics), flush=True)
         if (u + 1) % cfg.save_every == 0 or last:
             runfolder.save_checkpoint(run.run_dir, u + 1, run.model, run.opt, run.tok, run.data_rng, run.engine)
-    return finish(run)
+    return runfolder.finish(run)
 
 
 if __name__ == "__main__":

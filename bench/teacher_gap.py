@@ -37,7 +37,6 @@ import json
 import math
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
@@ -46,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import analyzer  # noqa: E402
+import diagnostics  # noqa: E402
 import envs  # noqa: E402
 import grpo  # noqa: E402
 import opd  # noqa: E402
@@ -106,15 +106,15 @@ def shift(model, tok, steps, skills, adv, plain, cfg, device):
     """(d) for one teacher, over the step rows that have a teacher context (skills: one opd.teacher_skills pair
     or None per row): lp (`plain`, {row: lp}) against lp_skill; a row whose prompt the skills do not change has
     lp_skill = lp (the same context).
-    -> opd.shift_metrics | {"rows"}."""
+    -> diagnostics.shift_metrics | {"rows"}."""
     todo = [i for i, k in enumerate(skills) if k]
     changed = [i for i in todo if envs.insert_skill(steps[i].prompt_text, skills[i][0], skills[i][1])
                != steps[i].prompt_text]
     lps = plain | scores(model, tok, steps, changed, [skills[i] for i in changed], cfg, device)
     masks = [envs.response_masks(tok, steps[i].response_ids, cfg.env) for i in todo]
-    samples = opd.shift_samples([plain[i] for i in todo], [lps[i] for i in todo], [m[0] for m in masks],
+    samples = diagnostics.shift_samples([plain[i] for i in todo], [lps[i] for i in todo], [m[0] for m in masks],
                                 [m[1] for m in masks], [float(adv[i]) for i in todo], cfg.beta_opd)
-    return opd.shift_metrics(samples, cfg.beta_opd) | {"rows": len(todo)}
+    return diagnostics.shift_metrics(samples, cfg.beta_opd) | {"rows": len(todo)}
 
 
 def measure(engine, model, tok, cfg, progress=False):

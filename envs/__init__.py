@@ -27,7 +27,10 @@ raises on bad text. Rewards: `reward_scale * won` on the step that ends the epis
 QA: exact match), 0 otherwise; the invalid-action penalty is applied by the trainer (grpo.row_rewards).
 """
 import itertools
+import math
 import re
+
+import numpy as np
 
 NAMES = ("alfworld", "sokoban", "ezpoints", "search", "webshop")
 
@@ -210,3 +213,19 @@ def response_masks(tokenizer, response_ids, env_name):
         lo, hi = m.span(1) if m else (0, 0)
         out.append([s < hi and e > lo and e > s for s, e in spans])
     return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------- the tasks a run plays
+
+def train_subset(num_tasks, fraction, seed):
+    """The training task ids a run draws from (the sample-efficiency study, Table 6): the first
+    ceil(fraction * num_tasks) (at least 1) of a permutation seeded by `seed`, sorted; 1 -> every task."""
+    perm = np.random.default_rng([seed, 1]).permutation(num_tasks)   # a stream apart from the data order's
+    k = max(1, math.ceil(round(fraction * num_tasks, 6)))            # round: 0.6 * 5 is 3.0000000000000004
+    return np.sort(perm[:k])
+
+
+def eval_task_ids(cfg, split, rank, world):
+    """This rank's share of the held-out tasks of `split`: the first --eval_tasks (0: all), every world-th."""
+    n = from_config(cfg, split).num_tasks
+    return list(range(min(cfg.eval_tasks, n) if cfg.eval_tasks else n))[rank::world]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import diagnostics  # noqa: E402
 import envs  # noqa: E402
 import grpo  # noqa: E402
 import opd  # noqa: E402
@@ -254,11 +255,11 @@ def test_a_one_token_decision_shows_in_the_row_statistics_not_the_percentiles():
     moved = [x.clone() for x in lp]
     for x in moved:
         x[decision] += 3.0
-    m = opd.shift_metrics(opd.shift_samples(lp, moved, action, thought, [0.0] * n), beta=5.0)
+    m = diagnostics.shift_metrics(diagnostics.shift_samples(lp, moved, action, thought, [0.0] * n), beta=5.0)
     assert m["delta_thought_p95"] == pytest.approx(0.0) and m["delta_thought_p5"] == pytest.approx(0.0)
     assert m["gate_std_response"] < 0.1 and m["action_shift_share"] == 0.0
     assert m["row_shift_share"] == 1.0 and m["thought_row_shift_share"] == 1.0 and m["row_max_delta_p50"] == pytest.approx(3.0)
     assert m["unsure_tokens"] == n and m["unsure_shift_share"] == 1.0 and m["delta_unsure_abs_mean"] == pytest.approx(3.0)
-    still = opd.shift_metrics(opd.shift_samples(lp, lp, action, thought, [0.0] * n), beta=5.0)
+    still = diagnostics.shift_metrics(diagnostics.shift_samples(lp, lp, action, thought, [0.0] * n), beta=5.0)
     assert still["row_shift_share"] == still["unsure_shift_share"] == still["row_max_delta_p50"] == 0.0
     assert still["gate_mean_response"] == pytest.approx(0.5)

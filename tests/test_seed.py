@@ -534,7 +534,7 @@ def test_live_analyzer_baselines_distill_the_skill(tmp_path, monkeypatch):
             run.cfg.algo = algo
             got[algo], _ = seed.rl_update(u, run)
     finally:
-        seed.finish(run)
+        runfolder.finish(run)
     assert sorted({a for a, *_ in checked}) == sorted(algos)
     for algo, value, want, n_skill in checked:
         assert n_skill > 0 and value == pytest.approx(want, rel=1e-4, abs=1e-7), algo
@@ -576,7 +576,7 @@ def test_library_baselines_run(tmp_path, monkeypatch):
     assert all("Walk around the box" in e["first_prompt"] for e in eps)
     m = got["skill_grpo_star"][0]
     assert "loss/opd" not in m and "loss/pg" in m and m["skill_rate"] == 0.0      # the skill is context, no teacher
-    subset = set(seed.train_subset(1_000_000, 0.00001, 0).tolist())                 # 10 of Sokoban's tasks
+    subset = set(envs.train_subset(1_000_000, 0.00001, 0).tolist())                 # 10 of Sokoban's tasks
     assert eps and all(e["task_id"] in subset for e in eps)
     shutil.rmtree(tmp_path / "skill_grpo_star" / "checkpoint")
 
@@ -585,12 +585,12 @@ def test_train_fraction_subset():
     """--train_fraction f: the first ceil(f n) of a seeded permutation, the same for a seed, another for
     another seed; f = 1 is every task in order (the data order of a full run is unchanged)."""
     for f, n, k in ((0.2, 10, 2), (0.6, 5, 3), (0.4, 7, 3), (1.0, 6, 6), (1e-9, 100, 1)):
-        ids = seed.train_subset(n, f, 0)
+        ids = envs.train_subset(n, f, 0)
         assert len(ids) == k and len(set(ids.tolist())) == k and all(0 <= i < n for i in ids)
-    assert seed.train_subset(1000, 0.2, 3).tolist() == seed.train_subset(1000, 0.2, 3).tolist()
-    assert seed.train_subset(1000, 0.2, 3).tolist() != seed.train_subset(1000, 0.2, 4).tolist()
-    assert seed.train_subset(6, 1.0, 5).tolist() == list(range(6))
-    assert set(seed.train_subset(1000, 0.2, 3).tolist()) < set(seed.train_subset(1000, 0.4, 3).tolist())
+    assert envs.train_subset(1000, 0.2, 3).tolist() == envs.train_subset(1000, 0.2, 3).tolist()
+    assert envs.train_subset(1000, 0.2, 3).tolist() != envs.train_subset(1000, 0.2, 4).tolist()
+    assert envs.train_subset(6, 1.0, 5).tolist() == list(range(6))
+    assert set(envs.train_subset(1000, 0.2, 3).tolist()) < set(envs.train_subset(1000, 0.4, 3).tolist())
 
 
 # ----------------------------------------------------------------------------- a NaN cannot poison the weights
