@@ -212,6 +212,9 @@ def rl_update(u, run):
         lp_old = rows.old if rows.old is not None else own_lp
         diag = opd.teacher_diagnostics(run.tok, cfg, rows, lp_old, steps, teachers if rescored else None,
                                        [episodes[e].group_id for e in row_episode]) | engine_gap(rows.engine, lp_old)
+        if rank == 0:   # tokens.json / tokens.html: a few rows, each token with its gate (the demo's last lines)
+            runfolder.write_token_page(run.run_dir, u, opd.shown_rows(run.tok, rows, lp_old, steps, episodes,
+                                                                      row_episode, cfg.beta_opd))
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
         rollout.push(run.engine, run.model, run.opt)
     step_skills = algo.skills == "live" and cfg.skill_mode != "episode_only"   # the analyzer wrote step skills
@@ -314,7 +317,7 @@ def update_policy(run, rows, order=None, update=0):
     n_mb = max(1, math.ceil(all_sum(len(rows)) / cfg.mini_batch_size))
     totals, norms, skipped = {}, [], 0
     own = [None] * len(rows) if rows.old is None and n_mb == 1 else None   # pi_old = this forward's
-    bar = tqdm(total=n_mb, desc="update", disable=run.rank != 0, leave=False)
+    bar = tqdm(total=n_mb, desc="update", disable=runfolder.progress_off(run.rank == 0), leave=False)
     for part in np.array_split(np.array(order, dtype=np.int64), n_mb):
         part = grpo.by_length(part.tolist(), rows.prompts, rows.responses)   # same gradient, less padding
         # global counts of this mini-batch: response tokens, and tokens of rows with a skill (the OPD mean)
@@ -491,6 +494,7 @@ def finish(run):
 # ----------------------------------------------------------------------------- main: Algorithm 1's loop
 
 def main(argv=None):
+    runfolder.quiet_console()   # the libraries' warnings and bars off unless SEED_VERBOSE=1
     cfg = parse_config(argv)
     cfg.out = cfg.out or os.path.join("runs", f"{cfg.algo}-{cfg.env}")
     validate(cfg)
