@@ -530,19 +530,20 @@ def write_token_page(run_dir, update, rows):
     esc = lambda s: html.escape(str(s), quote=True)
     parts = [f"<!doctype html><meta charset='utf-8'><title>{esc(os.path.basename(os.path.normpath(run_dir)))}"
              f" update {update}: tokens</title><style>body{{font:14px/1.5 sans-serif;max-width:60em;margin:1em auto}}"
-             ".row{border-top:1px solid #ccc;padding:.5em 0}.skill{background:#f3f3f3;padding:.3em .5em}"
+             ".row{border-top:1px solid #ccc;margin-top:.6em;padding-top:.5em}.skill{background:#f3f3f3;padding:.3em .5em}"
              ".resp{font-family:monospace;white-space:pre-wrap;margin-top:.3em}.tok{border-radius:2px}</style>",
              f"<h2>Update {update}: what the skill moved</h2><p>Each response token is shaded by its OPD gate "
              "g = sigmoid(5 (log pi(token | h + skill) - log pi(token | h))): <span class='tok' style='background:"
              f"{_shade(1.0)}'>teacher favours</span>, <span class='tok' style='background:{_shade(0.0)}'>teacher "
              "rejects</span>, unshaded where the skill changed nothing. Hover a token for its log-probs.</p>"]
-    for r in rows:
+    for k, r in enumerate(rows):
+        first = k == 0 or rows[k - 1]["episode"] != r["episode"]   # the task and skill once per episode
+        head = (f"<div class='ep'><b>task</b> {esc(r['task'])} &middot; <b>episode</b> {'won' if r['won'] else 'lost'}"
+                f"</div><div class='skill'><b>skill</b> {esc(r['skill'])}</div>") if first else ""
         toks = "".join(f"<span class='tok' style='background:{_shade(g)}' title='student {lp:.3f}, teacher "
                        f"{ls:.3f}, gate {g:.3f}'>{esc(t)}</span>" for t, lp, ls, g in r["tokens"])
-        parts.append(f"<div class='row'><div><b>task</b> {esc(r['task'])} &middot; <b>step</b> {r['step'] + 1} "
-                     f"&middot; <b>episode</b> {'won' if r['won'] else 'lost'} &middot; <b>advantage</b> "
-                     f"{r['adv']:+.3f}</div><div class='skill'><b>skill</b> {esc(r['skill'])}</div>"
-                     f"<div class='resp'>{toks}</div></div>")
+        parts.append(f"<div class='{'row' if first else 'step'}'>{head}<div class='resp'><b>step {r['step'] + 1}</b> "
+                     f"(advantage {r['adv']:+.3f}, action {esc(r['action'])}) {toks}</div></div>")
     path = os.path.join(run_dir, TOKEN_PAGE)
     with open(path, "w") as f:
         f.write("\n".join(parts) + "\n")
