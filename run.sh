@@ -84,8 +84,9 @@ demo() {
     echo "[demo] Stage 1: $((SECONDS - t1)) s" >&2
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out card pairs before and after" >&2
+  # rollouts at T=0.4 (the paper's 1.0 wins 0 of 8 here: nothing to learn from), 4 card pairs x 4 episodes
   "$PY" seed.py "${sizes[@]}" --init runs/demo-sft --algo seed --out runs/demo-seed --resume --updates 2 \
-    --tasks_per_update 2 --group_size 4 --analyzer_max_tokens 256 --lr 1e-5 --kl_coef 0 \
+    --tasks_per_update 4 --group_size 4 --temperature 0.4 --analyzer_max_tokens 256 --lr 1e-5 --kl_coef 0 \
     --eval_first --eval_every 2 --eval_tasks 24 --save_every 1 "$@"
   echo
   echo "[demo] finished in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
