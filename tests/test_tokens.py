@@ -95,3 +95,23 @@ def test_quiet_console_leaves_verbose_alone(monkeypatch):
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     assert runfolder.quiet_console() is False and "VLLM_LOGGING_LEVEL" not in os.environ
     assert runfolder.progress_off(False) is True and runfolder.progress_off(True) is None
+
+
+def test_quiet_console_turns_the_libraries_down(monkeypatch):
+    import warnings
+    import transformers
+    for k in ("SEED_VERBOSE", "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "TORCH_CPP_LOG_LEVEL"):
+        monkeypatch.delenv(k, raising=False)
+    level = transformers.utils.logging.get_verbosity()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert runfolder.quiet_console() is True
+            warnings.warn("`torch.distributed.reduce_op` is deprecated", FutureWarning)
+            warnings.warn("ours", UserWarning)
+        assert [str(w.message) for w in seen] == ["ours"]   # the project's own warnings stay
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR" and os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+        assert not transformers.utils.logging.is_progress_bar_enabled()
+    finally:
+        transformers.utils.logging.set_verbosity(level)
+        transformers.utils.logging.enable_progress_bar()
