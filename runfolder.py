@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -490,6 +491,8 @@ def quiet_console():
     for k, v in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TRANSFORMERS_VERBOSITY", "error"),
                  ("TORCH_CPP_LOG_LEVEL", "ERROR"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
         os.environ.setdefault(k, v)
+    # vLLM logs a few lines while its logging is still unset (Triton's CPU backend): they go by the "vllm" level
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
     warnings.filterwarnings("ignore", module=r"(vllm|torch|transformers|triton)(\.|$)")
