@@ -327,7 +327,8 @@ def self_analyze(engine, tokenizer, episodes, cfg, progress=False, chunk=32):
     -> {"episodes", "parse_failures", "first_try_failures"} summed over the chunks."""
     from tqdm import tqdm
     stats = {"episodes": 0, "parse_failures": 0, "first_try_failures": 0}
-    for i in tqdm(range(0, len(episodes), chunk), desc="analyze", disable=not progress, leave=False):
+    for i in tqdm(range(0, len(episodes), chunk), desc="analyze", disable=None if progress else True,
+                  leave=False):   # None: off when stderr is a file
         st = analyze(engine, tokenizer, episodes[i:i + chunk], max_tokens=cfg.analyzer_max_tokens,
                      retries=cfg.analyzer_retries, max_prompt_tokens=cfg.analyzer_max_prompt_tokens,
                      skill_mode=cfg.skill_mode, max_step_skills=cfg.max_step_skills)
@@ -511,7 +512,7 @@ class ExternalAnalyzer:
         from tqdm import tqdm
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(tqdm(pool.map(self._one, prompts), total=len(prompts), desc="external analyzer",
-                             disable=not progress))
+                             disable=None if progress else True))
 
 
 # ----------------------------------------------------------------------------- the skill library

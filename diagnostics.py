@@ -117,3 +117,34 @@ def teacher_diagnostics(tok, cfg, rows, lp_old, steps, teachers, groups):
                           [m[1] for m in masks], [float(rows.adv[i]) for i in todo], cfg.beta_opd)
     merged = {k: [x for part in gather(local) for x in part[k]] for k in local}
     return out | {f"diag/{k}": v for k, v in shift_metrics(merged, cfg.beta_opd).items()}
+
+
+def shown_rows(tok, rows, lp_old, steps, episodes, row_episode, beta=5.0, max_episodes=2):
+    """A few rows of an update to show (runfolder.write_token_page, the demo's last lines): every step of up to
+    `max_episodes` episodes with a skill (a won one and a lost one where both exist, each the one whose skill moved
+    a token most), each response token with its text, the snapshot's lp, the teacher's lp_skill and the gate
+    g = sigmoid(beta (lp_skill - lp)). -> [{"episode", "task", "won", "skill", "step", "action", "adv",
+    "tokens": [[text, lp, lp_skill, g]]}], plain values (JSON); [] when nothing was re-scored."""
+    if rows.lp_skill is None:
+        return []
+    moved = {}   # episode index -> the largest |lp_skill - lp| over its rows
+    for i, e in enumerate(row_episode):
+        if episodes[e].skill and len(rows.lp_skill[i]):
+            d = (rows.lp_skill[i].float().cpu() - lp_old[i].detach().float().cpu()).abs()   # [tokens]
+            moved[e] = max(moved.get(e, 0.0), float(d.max()))
+    pick = []
+    for won in (True, False):   # the episode of each outcome whose skill moved a token most
+        best = sorted((e for e in moved if episodes[e].won == won), key=lambda e: -moved[e])
+        pick += best[:1]
+    out = []
+    for e in pick[:max_episodes]:
+        for i in (i for i, r in enumerate(row_episode) if r == e):
+            lp, ls = lp_old[i].detach().float().cpu(), rows.lp_skill[i].float().cpu()   # [tokens] each
+            g = gates(lp, ls, beta)                                                      # [tokens]
+            text, spans = envs.token_spans(tok, list(steps[i].response_ids))
+            out.append({"episode": e, "task": episodes[e].task, "won": bool(episodes[e].won),
+                        "skill": episodes[e].skill, "step": i - row_episode.index(e), "action": steps[i].action,
+                        "adv": float(rows.adv[i]),
+                        "tokens": [[text[s:t], round(float(a), 4), round(float(b), 4), round(float(c), 4)]
+                                   for (s, t), a, b, c in zip(spans, lp, ls, g)]})
+    return out

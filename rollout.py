@@ -255,10 +255,8 @@ class VLLMEngine:
 
     def __init__(self, model_path, dtype="float32", seed=0, max_model_len=4096, gpu_memory_utilization=0.3,
                  **llm_kw):
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # runfolder.quiet_console: ERROR
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
-        # every in-place reload warns that rotary embeddings have no weights to load; they have none
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         ensure_process_group()
         # The CPU worker replaces torch.set_num_threads with a no-op; the trainer shares this process.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
@@ -266,6 +264,10 @@ class VLLMEngine:
         shield_llvmlite()
         from vllm import LLM
         from vllm.platforms import current_platform
+        # every in-place reload warns that rotary embeddings have no weights to load; they have none (after the
+        # import: vLLM's logging set-up resets the levels of the loggers below its own)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        llm_kw.setdefault("use_tqdm_on_load", os.environ.get("SEED_VERBOSE", "0") not in ("", "0"))
         self.on_cpu = current_platform.is_cpu()
         llm_kw.setdefault("enforce_eager", self.on_cpu)
         llm_kw.setdefault("enable_sleep_mode", not self.on_cpu)
@@ -468,7 +470,8 @@ def collect(engine, tokenizer, env_list, tasks, group_size, temperature=1.0, max
                          f"max_model_len={engine.max_model_len}")
     episodes, observations = _start(env_list, tasks, group_size)
     live, truncated_prompts = list(range(len(env_list))), 0
-    bar = tqdm(total=max(env.max_steps for env in env_list), desc="collect", unit="turn", disable=not progress)
+    bar = tqdm(total=max(env.max_steps for env in env_list), desc="collect", unit="turn",
+                disable=None if progress else True)   # None: off when stderr is a file
     while live:
         prompts = [_prompt(env_list[k], tokenizer, skills[k // group_size] if skills else None, limit)
                    for k in live]

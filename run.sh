@@ -16,6 +16,14 @@ cd "$(dirname "$0")"
 VENV="${SEED_VENV:-$PWD/.venv}"
 PY="$VENV/bin/python"
 
+# A quiet console (runfolder.quiet_console does the rest in Python): the libraries' warnings and info lines off
+# unless SEED_VERBOSE=1. torch's C++ warnings read TORCH_CPP_LOG_LEVEL when torch is imported, so it is set here.
+quiet_env() {
+  [ "${SEED_VERBOSE:-0}" != 0 ] && return
+  export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}" VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-ERROR}"
+  export TRANSFORMERS_VERBOSITY="${TRANSFORMERS_VERBOSITY:-error}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
+}
+
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
 req_file() { if has_gpu; then echo requirements-gpu.txt; else echo requirements-cpu.txt; fi; }
@@ -57,22 +65,28 @@ setup() {
 # Running it again reuses the checkpoints and continues the Stage-2 run.
 demo() {
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-  local t0=$SECONDS
+  quiet_env
+  local t0=$SECONDS t1
   local sizes=(--env ezpoints --max_steps 5 --history_length 0 --max_tokens 48)
   if [ ! -f runs/demo-warmup/warmup.json ]; then
     echo "[demo] warm start: clone the solver's formulas on 16 training card pairs (10% held out)" >&2
+    t1=$SECONDS
     "$PY" sft.py --stage warmup "${sizes[@]}" --out runs/demo-warmup --tasks 16 \
       --val_fraction 0.1 --epochs 1 --lr 2e-4 --batch_size 8 --micro_batch_size 4
+    echo "[demo] warm start: $((SECONDS - t1)) s" >&2
   fi
   if [ ! -f runs/demo-sft/stage1.json ]; then
     echo "[demo] Stage 1: the warm-started policy plays, scripted analyses, fine-tune the analyzer" \
       "(with the solver's formulas on 4 more card pairs, so that the action format survives)" >&2
+    t1=$SECONDS
     "$PY" sft.py "${sizes[@]}" --model runs/demo-warmup --out runs/demo-sft --tasks 4 --k0 2 \
       --analyzer_max_tokens 256 --epochs 1 --lr 2e-4 --batch_size 4 --micro_batch_size 2 --replay 4
+    echo "[demo] Stage 1: $((SECONDS - t1)) s" >&2
   fi
   echo "[demo] Stage 2: SEED (collect -> analyze -> rescore -> GRPO + gated OPD), held-out card pairs before and after" >&2
+  # rollouts at T=0.4 (the paper's 1.0 wins 0 of 8 here: nothing to learn from), 4 card pairs x 4 episodes
   "$PY" seed.py "${sizes[@]}" --init runs/demo-sft --algo seed --out runs/demo-seed --resume --updates 2 \
-    --tasks_per_update 2 --group_size 4 --analyzer_max_tokens 256 --lr 1e-5 --kl_coef 0 \
+    --tasks_per_update 4 --group_size 4 --temperature 0.4 --analyzer_max_tokens 256 --lr 1e-5 --kl_coef 0 \
     --eval_first --eval_every 2 --eval_tasks 24 --save_every 1 "$@"
   echo
   echo "[demo] finished in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
@@ -81,6 +95,14 @@ import json
 lines = [json.loads(x) for x in open("runs/demo-seed/metrics.jsonl") if x.strip()]
 ev = [m for m in lines if "eval/test/success" in m]
 cfg = json.load(open("runs/demo-seed/config.json"))
+stage2 = [m for m in lines if "success" in m]
+sec = lambda m, k: f"{k} {m.get('sec/' + k, 0):.0f}"
+phases = [f"update {m['update']} {m['sec/total'] - m.get('sec/eval', 0):.0f} ("
+          + ", ".join(sec(m, k) for k in ("collect", "analyze", "rescore", "update")) + ")" for m in stage2]
+print(f"[demo] Stage 2 seconds: evaluation before {ev[0]['sec/eval']:.0f}, " + ", ".join(phases)
+      + f", evaluation after {ev[-1]['sec/eval']:.0f}" if len(ev) >= 2 else "")
+print(f"[demo] training rollouts (T={cfg['temperature']}): success "
+      + " -> ".join(f"{m['success']:.2f}" for m in stage2) + " at updates " + ", ".join(str(m["update"]) for m in stage2))
 if len(ev) >= 2:
     a, b = ev[0], ev[-1]
     print(f"[demo] held-out ({cfg['eval_tasks']} card pairs, T={cfg['eval_temperature']}): success {a['eval/test/success']:.3f} -> {b['eval/test/success']:.3f}, "
@@ -88,6 +110,8 @@ if len(ev) >= 2:
           f"valid actions {1 - a['eval/test/invalid_rate']:.3f} -> {1 - b['eval/test/invalid_rate']:.3f}, "
           f"episode length {a['eval/test/length']:.2f} -> {b['eval/test/length']:.2f} "
           f"(before Stage 2 -> after {b['update'] + 1} updates)")
+import runfolder
+print("\n".join("[demo] " + line for line in runfolder.what_seed_did("runs/demo-seed")))
 PY
   echo "[demo] curves:      runs/demo-seed/curves.png"
   echo "[demo] metrics:     runs/demo-seed/metrics.jsonl (one line per update)"

@@ -5,12 +5,14 @@ errors, and everything a run writes and reads back in `runs/<name>/`:
     metrics.jsonl                  one line per update (write_metrics, read_metrics)
     episodes/update_XXXX.jsonl     every episode of an update, with its summary and skill (episode_record)
     curves.png                     success, length, invalid rate, OPD loss, gate, KL, teacher diagnostics (plot_curves)
+    tokens.json, tokens.html       a few rows of the last update, each response token with its OPD gate (write_token_page)
     checkpoint/                    HF weights + tokenizer + trainer_state.pt (save_checkpoint; --resume: resume)
 """
 import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -18,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -356,8 +359,10 @@ def plot_curves(run_dir, lines):
     ax[1, 1].fill_between(u, gm - gs, gm + gs, alpha=0.3, label="+- std")
     ax[1, 1].set(title="OPD gate g", xlabel="update", ylim=(-0.05, 1.05))
     ax[1, 1].legend(fontsize=8)
-    ax[1, 2].plot(u, col("loss/kl"), "o-")
-    ax[1, 2].set(title="KL to the reference (k3, token mean)", xlabel="update")
+    ax[1, 2].plot(u, col("loss/kl"), "o-", label="KL to the reference (k3, token mean)")
+    ax[1, 2].plot(u, col("diag/engine_lp_diff_mean"), "s--", label="|engine - trainer| log-prob, mean")
+    ax[1, 2].set(title="KL; engine-trainer gap", xlabel="update")
+    ax[1, 2].legend(fontsize=8)
     for k, style in (("diag/delta_action_p5", "v:"), ("diag/delta_action_p50", "o-"), ("diag/delta_action_p95", "^:")):
         ax[0, 3].plot(u, col(k), style, label=k.split("_")[-1])
     ax[0, 3].plot(u, col("diag/gate_std_action"), "s--", label="gate std")
@@ -366,7 +371,7 @@ def plot_curves(run_dir, lines):
     ax[0, 3].legend(fontsize=8)
     ax[1, 3].plot(u, col("diag/tied_groups"), "o-", label="tied groups (share)")
     ax[1, 3].plot(u, col("diag/gate_adv_cov"), "s--", label="cov(row gate, advantage)")
-    ax[1, 3].set(title="GRPO's zero-gradient groups; does the teacher favour winners?", xlabel="update")
+    ax[1, 3].set(title="GRPO's zero-gradient groups;\ndoes the teacher favour winners?", xlabel="update")
     ax[1, 3].legend(fontsize=8)
     for a in ax.flat:
         a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -483,3 +488,104 @@ def finish(run):
     if run.rank == 0:
         print(f"[seed] done: {os.path.join(run.run_dir, 'metrics.jsonl')}, {os.path.join(run.run_dir, 'curves.png')}, "
               f"{os.path.join(run.run_dir, CHECKPOINT)}", flush=True)
+
+
+# ----------------------------------------------------------------------------- a quiet console
+
+def quiet_console():
+    """The libraries' warnings, info lines and progress bars off, unless SEED_VERBOSE=1 (call at start-up, before
+    vLLM is imported): vLLM logs errors only, transformers too, without its loading bars; Python's
+    Future/Deprecation warnings and every warning raised inside vllm, torch or transformers are ignored. torch's
+    C++ warnings (vLLM's NUMA binding) read TORCH_CPP_LOG_LEVEL when torch is imported: run.sh exports it (this
+    sets it for child processes). Our own bars stay one line on a terminal and are off when stderr is a file
+    (progress_off). -> False when SEED_VERBOSE asked for everything."""
+    if os.environ.get("SEED_VERBOSE", "0") not in ("", "0"):
+        return False
+    for k, v in (("VLLM_LOGGING_LEVEL", "ERROR"), ("TRANSFORMERS_VERBOSITY", "error"),
+                 ("TORCH_CPP_LOG_LEVEL", "ERROR"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+        os.environ.setdefault(k, v)
+    # vLLM logs a few lines while its logging is still unset (Triton's CPU backend): they go by the "vllm" level
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", module=r"(vllm|torch|transformers|triton)(\.|$)")
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return True
+
+
+def progress_off(show=True):
+    """tqdm's `disable` for one of our bars: off where not shown (another rank), else None: tqdm draws it on a
+    terminal (one line, redrawn) and leaves it out when stderr is a file, so a log holds no bar."""
+    return None if show else True
+
+
+# ----------------------------------------------------------------------------- the token picture
+
+TOKEN_ROWS, TOKEN_PAGE = "tokens.json", "tokens.html"   # a few rows of the last update (diagnostics.shown_rows)
+
+
+def _shade(g):
+    """A gate g in [0, 1] -> a background colour: green where the teacher favours the token (g > 0.5), red where
+    it rejects it (g < 0.5), white at 0.5 (the skill changed nothing)."""
+    a = min(abs(g - 0.5) * 2.0, 1.0)
+    rgb = (46, 160, 67) if g >= 0.5 else (207, 34, 46)
+    return f"rgba({rgb[0]},{rgb[1]},{rgb[2]},{a:.2f})"
+
+
+def write_token_page(run_dir, update, rows):
+    """runs/<name>/tokens.json (the rows) and tokens.html: each row's task, outcome, advantage and skill, then its
+    response with every token shaded by its OPD gate g = sigmoid(beta (lp_skill - lp)) (hover: the log-probs).
+    rows: diagnostics.shown_rows. Self-contained (no script, no download). -> the page's path (None without rows)."""
+    import html
+    if not rows:
+        return None
+    with open(os.path.join(run_dir, TOKEN_ROWS), "w") as f:
+        json.dump({"update": update, "rows": rows}, f)
+    esc = lambda s: html.escape(str(s), quote=True)
+    parts = [f"<!doctype html><meta charset='utf-8'><title>{esc(os.path.basename(os.path.normpath(run_dir)))}"
+             f" update {update}: tokens</title><style>body{{font:14px/1.5 sans-serif;max-width:60em;margin:1em auto}}"
+             ".row{border-top:1px solid #ccc;margin-top:.6em;padding-top:.5em}.skill{background:#f3f3f3;padding:.3em .5em}"
+             ".resp{font-family:monospace;white-space:pre-wrap;margin-top:.3em}.tok{border-radius:2px}</style>",
+             f"<h2>Update {update}: what the skill moved</h2><p>Each response token is shaded by its OPD gate "
+             "g = sigmoid(5 (log pi(token | h + skill) - log pi(token | h))): <span class='tok' style='background:"
+             f"{_shade(1.0)}'>teacher favours</span>, <span class='tok' style='background:{_shade(0.0)}'>teacher "
+             "rejects</span>, unshaded where the skill changed nothing. Hover a token for its log-probs.</p>"]
+    for k, r in enumerate(rows):
+        first = k == 0 or rows[k - 1]["episode"] != r["episode"]   # the task and skill once per episode
+        head = (f"<div class='ep'><b>task</b> {esc(r['task'])} &middot; <b>episode</b> {'won' if r['won'] else 'lost'}"
+                f"</div><div class='skill'><b>skill</b> {esc(r['skill'])}</div>") if first else ""
+        toks = "".join(f"<span class='tok' style='background:{_shade(g)}' title='student {lp:.3f}, teacher "
+                       f"{ls:.3f}, gate {g:.3f}'>{esc(t)}</span>" for t, lp, ls, g in r["tokens"])
+        parts.append(f"<div class='{'row' if first else 'step'}'>{head}<div class='resp'><b>step {r['step'] + 1}</b> "
+                     f"(advantage {r['adv']:+.3f}, action {esc(r['action'])}) {toks}</div></div>")
+    path = os.path.join(run_dir, TOKEN_PAGE)
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+    return path
+
+
+def what_seed_did(run_dir, top=4):
+    """The demo's last lines, from tokens.json and metrics.jsonl: one episode of the last update (task, actions,
+    the skill the policy wrote about it), the tokens whose log-prob the skill moved most (student lp -> teacher
+    lp_skill, gate), the update's loss sizes, gate, tied groups, and where the pictures are. -> [str]."""
+    if not os.path.exists(os.path.join(run_dir, TOKEN_ROWS)):
+        return [f"no {TOKEN_ROWS} in {run_dir}: no update re-scored a skill"]
+    saved = json.load(open(os.path.join(run_dir, TOKEN_ROWS)))
+    m = [x for x in read_metrics(run_dir) if x.get("update") == saved["update"] and "success" in x][-1]
+    ep = [r for r in saved["rows"] if r["episode"] == saved["rows"][0]["episode"]]
+    moved = sorted(((abs(ls - lp), t, lp, ls, g, r["step"]) for r in ep for t, lp, ls, g in r["tokens"]),
+                   key=lambda x: -x[0])[:top]
+    one = lambda s, n=110: s if len(s) <= n else s[:n - 3] + "..."
+    return [f"what SEED did in update {saved['update']} (a {'won' if ep[0]['won'] else 'lost'} episode of its "
+            f"training rollouts):",
+            f"  task    {one(ep[0]['task'])}",
+            f"  actions {one(' | '.join(str(r['action']) for r in ep))}",
+            f"  skill   {one(ep[0]['skill'], 300)}",
+            "  moved   " + ", ".join(f"{t.strip() or repr(t)!r} (step {s + 1}) {lp:.2f} -> {ls:.2f}, g {g:.2f}"
+                                     for _, t, lp, ls, g, s in moved) + "   (student lp -> teacher lp_skill, gate)",
+            f"  update  OPD loss {m.get('loss/opd', float('nan')):.4f}, GRPO loss {m.get('loss/pg', float('nan')):.4f}, "
+            f"gate {m.get('gate/mean', float('nan')):.3f} +- {m.get('gate/std', float('nan')):.3f}, tied groups "
+            f"{m.get('diag/tied_groups', float('nan')):.2f}, training success {m['success']:.2f}",
+            f"  page    {os.path.join(run_dir, TOKEN_PAGE)}   curves {os.path.join(run_dir, 'curves.png')}"]

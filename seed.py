@@ -4,8 +4,7 @@ Algorithm 1 (Appendix B.3) at a time.
     for update u = 0 .. updates-1:
         tasks      <- B tasks from the data-order RNG; each rank plays its share, N episodes per task
         episodes   <- collect(pi_old)                                  # multi-turn rollouts
-        skills     <- analyze(pi_old, episodes)                        # the same snapshot, greedy (Section 3.3):
-                                                                       # episode skill, step skills (--skill_mode)
+        skills     <- analyze(pi_old, episodes)                        # the same snapshot, greedy (Section 3.3)
         A          <- group advantages of the step rows                # GRPO's group-normalized advantage
         lp_old     <- a no-grad pass, only when the rows span several mini-batches (old_logprobs)
         lp_ref     <- a no-grad pass, only when kl_coef > 0
@@ -14,12 +13,8 @@ Algorithm 1 (Appendix B.3) at a time.
         for each mini-batch:  L = L_pg + kl_coef L_kl - ent_coef H + lambda_opd L_opd   (the joint objective)
         AdamW step; push the new weights into the rollout engine (pi_old <- pi_theta)
 
-Baselines (Section 4.1, Appendix B.2; README's table says which are our interpretations) are entries of ALGOS
-(Algo: what each is made of), read by the same loop. `--init ""` is the no-SFT ablation, `--train_fraction` the
-sample-efficiency study (Table 6). Run under torchrun (DDP, or FSDP2 with --fsdp) or plain python; everything
-lands in `runs/<name>/` (README: the run folder). Reading order: Algo, Config, Run, rl_update (the loop above),
-micro_loss and update_policy (the joint objective), the set-up (validate, build_run) and main; the plumbing
-shared with sft.py is in parallel.py (process group, DDP / FSDP2) and runfolder.py (flags, run folder, checkpoints).
+Baselines (Section 4.1, Appendix B.2) are entries of ALGOS, read by the same loop. Reading order: Algo, Config,
+Run, rl_update (the loop above), micro_loss and update_policy (the joint objective), validate, build_run, main.
 """
 import argparse
 import json
@@ -212,8 +207,12 @@ def rl_update(u, run):
         sums, norms, own_lp = update_policy(run, rows, order, u)
     with timed(sec, "diagnostics"):   # can the teacher teach? (tie share; the skill's shift on action tokens)
         lp_old = rows.old if rows.old is not None else own_lp
-        diag = diagnostics.teacher_diagnostics(run.tok, cfg, rows, lp_old, steps, teachers if rescored else None,
-                                       [episodes[e].group_id for e in row_episode]) | diagnostics.engine_gap(rows.engine, lp_old)
+        diag = (diagnostics.teacher_diagnostics(run.tok, cfg, rows, lp_old, steps, teachers if rescored else None,
+                                                [episodes[e].group_id for e in row_episode])
+                | diagnostics.engine_gap(rows.engine, lp_old))
+        if rank == 0:   # tokens.json / tokens.html: a few rows, each token with its gate
+            runfolder.write_token_page(run.run_dir, u, diagnostics.shown_rows(run.tok, rows, lp_old, steps, episodes,
+                                                                              row_episode, cfg.beta_opd))
     with timed(sec, "push"):      # 7. the new weights become the next snapshot pi_old (actor and analyzer)
         rollout.push(run.engine, run.model, run.opt)
     step_skills = algo.skills == "live" and cfg.skill_mode != "episode_only"   # the analyzer wrote step skills
@@ -311,7 +310,7 @@ def update_policy(run, rows, order=None, update=0):
     n_mb = max(1, math.ceil(all_sum(len(rows)) / cfg.mini_batch_size))
     totals, norms, skipped = {}, [], 0
     own = [None] * len(rows) if rows.old is None and n_mb == 1 else None   # pi_old = this forward's
-    bar = tqdm(total=n_mb, desc="update", disable=run.rank != 0, leave=False)
+    bar = tqdm(total=n_mb, desc="update", disable=runfolder.progress_off(run.rank == 0), leave=False)
     for part in np.array_split(np.array(order, dtype=np.int64), n_mb):
         part = grpo.by_length(part.tolist(), rows.prompts, rows.responses)   # same gradient, less padding
         # global counts of this mini-batch: response tokens, and tokens of rows with a skill (the OPD mean)
@@ -462,6 +461,7 @@ def build_run(cfg):
 # ----------------------------------------------------------------------------- main: Algorithm 1's loop
 
 def main(argv=None):
+    runfolder.quiet_console()   # the libraries' warnings and bars off unless SEED_VERBOSE=1
     cfg = parse_config(argv)
     cfg.out = cfg.out or os.path.join("runs", f"{cfg.algo}-{cfg.env}")
     validate(cfg)

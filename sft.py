@@ -233,7 +233,7 @@ def annotate(cfg, cache, rank, world, episodes, tok, budget):
     client = (analyzer.ExternalAnalyzer(cfg.analyzer_url, cfg.analyzer_model, api_key_env=cfg.analyzer_key_env,
                                         max_tokens=cfg.analyzer_max_tokens, skill_mode=mode, max_step_skills=k)
               if cfg.analyzer_url else None)
-    bar = tqdm(total=len(todo), desc="annotate", disable=rank != 0)
+    bar = tqdm(total=len(todo), desc="annotate", disable=runfolder.progress_off(rank == 0))
     for i in range(0, len(todo), cfg.annotate_batch):
         batch = todo[i:i + cfg.annotate_batch]
         eps = [episodes[k] for k in batch]
@@ -310,7 +310,7 @@ def finetune(cfg, examples, val, rank, world, device):
     sched = (get_constant_schedule_with_warmup(opt, warm) if cfg.stage == "warmup"
              else get_cosine_schedule_with_warmup(opt, warm, total))
     val_log = []
-    log, bar = [], tqdm(total=cfg.epochs * steps_per_epoch, desc="sft", disable=rank != 0)
+    log, bar = [], tqdm(total=cfg.epochs * steps_per_epoch, desc="sft", disable=runfolder.progress_off(rank == 0))
     for epoch in range(cfg.epochs):
         order = np.random.default_rng([cfg.seed, epoch]).permutation(len(examples))   # same on every rank
         for s in range(steps_per_epoch):
@@ -344,6 +344,7 @@ def finetune(cfg, examples, val, rank, world, device):
 
 
 def main(argv=None):
+    runfolder.quiet_console()   # the libraries' warnings and bars off unless SEED_VERBOSE=1
     cfg = runfolder.parse_config(argv, SFTConfig, ENV_DEFAULTS, __doc__)
     cfg.out = cfg.out or os.path.join("runs", f"{'warmup' if cfg.stage == 'warmup' else 'sft'}-{cfg.env}")
     validate(cfg)
