@@ -127,7 +127,7 @@ def test_thirty_step_alfworld_episode_is_analyzed_whole(tokenizer, model_path, c
         pytest.fail("the real ALFWorld game is not in ../shared/data/alfworld nor /work/shared/data/alfworld")
     ep = thirty_step_episode()
     assert ep.length == 30 and not ep.won and sum(not s.valid for s in ep.steps) >= 4
-    cfg = seed.parse_config([])
+    cfg = seed.parse_config(["--skill_mode", "episode_step"])   # the longer prompt: it also asks for step skills
     assert (cfg.analyzer_max_prompt_tokens, cfg.analyzer_max_tokens, cfg.analyzer_retries) == (16384, 1024, 0)
     context = seed.engine_context(cfg, model_path)
     assert context == 8192 and "prompt budget is 7168" in capsys.readouterr().out    # the model's own limit
@@ -141,11 +141,11 @@ def test_thirty_step_alfworld_episode_is_analyzed_whole(tokenizer, model_path, c
     for t, s in enumerate(ep.steps):                                       # every step, whole
         assert f"## Step {t}\nObservation: {s.observation}\nAgent response: {s.response_text}\n" in text
     assert "trimmed" not in text and "[...]" not in text and "omitted" not in text
-    whole = analyzer.analysis_prompt(ep, None, cfg.skill_mode, cfg.max_step_skills)   # ALFWorld: episode_step
+    whole = analyzer.analysis_prompt(ep, None, cfg.skill_mode, cfg.max_step_skills)
     assert ids == rollout.chat_ids(tokenizer, whole) and '"step_skills": {"0":' in text
     print(f"30-step episode: {len(whole[1]['content'])} characters, {len(ids)} tokens")
     label = json.loads(GOOD)                                               # Stage 1: the same prompt
-    sc = sft.SFTConfig()
+    sc = sft.SFTConfig(skill_mode=cfg.skill_mode)                         # Stage 1 in the same mode
     (prompt, target), = sft.make_examples(tokenizer, {"0:0": ep}, {"0:0": label}, sft.prompt_budget(sc),
                                           sc.skill_mode, sc.max_step_skills)
     assert prompt == ids and tokenizer.decode(target).startswith('{"episode_summary"')
