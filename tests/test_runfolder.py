@@ -1,6 +1,6 @@
 """The run folder (runfolder.py): --resume refuses a folder whose config.json differs outside
 RESUME_MAY_CHANGE (before any model loads), continues from checkpoint.old after a kill between
-save_checkpoint's two renames, and --track logs metrics.jsonl's lines (tensorboard tested; wandb when installed),
+save_checkpoint's two renames, and --track logs metrics.jsonl's lines (tensorboard and wandb, offline),
 importing neither package without it. A tiny random Llama stands in for the policy: no model is loaded."""
 import json
 import os
@@ -167,7 +167,7 @@ def test_track_tensorboard_logs_every_metric_line_and_the_config(tmp_path):
 
 
 def test_track_wandb_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    """--track wandb (offline: no account, no network) writes a wandb run in the run folder and keeps its id."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = str(tmp_path / "run")
