@@ -288,7 +288,7 @@ def test_trajectory_level_keeps_the_invalid_action_penalty():
     """--adv_level trajectory: an episode's invalid steps lower its return (R minus the penalty over its share
     of invalid steps), so of two won episodes the one with an invalid step gets the lower advantage."""
     from types import SimpleNamespace as NS
-    step = lambda valid: NS(valid=valid, prompt_ids=[1], response_ids=[2])
+    step = lambda valid: NS(valid=valid, prompt_ids=[1], response_ids=[2], engine_logprobs=[-0.5])
     eps = [NS(steps=[step(True), step(True)], reward=10.0, group_id=0, skill=None),
            NS(steps=[step(True), step(False)], reward=10.0, group_id=0, skill=None)]
     steps = [s for ep in eps for s in ep.steps]
