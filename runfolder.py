@@ -583,9 +583,9 @@ def what_seed_did(run_dir, top=4):
             f"  task    {one(ep[0]['task'])}",
             f"  actions {one(' | '.join(str(r['action']) for r in ep))}",
             f"  skill   {one(ep[0]['skill'], 300)}",
-            "  moved   " + ", ".join(f"{t.strip() or repr(t)!r} (step {s + 1}) {lp:.2f} -> {ls:.2f}, g {g:.2f}"
+            "  moved   " + "; ".join(f"{t!r} step {s + 1}: {lp:.2f} -> {ls:.2f}, g {g:.2f}"
                                      for _, t, lp, ls, g, s in moved) + "   (student lp -> teacher lp_skill, gate)",
-            f"  update  OPD loss {m.get('loss/opd', float('nan')):.4f}, GRPO loss {m.get('loss/pg', float('nan')):.4f}, "
+            f"  update  OPD loss {m.get('loss/opd', float('nan')):.3g}, GRPO loss {m.get('loss/pg', float('nan')):.3g}, "
             f"gate {m.get('gate/mean', float('nan')):.3f} +- {m.get('gate/std', float('nan')):.3f}, tied groups "
             f"{m.get('diag/tied_groups', float('nan')):.2f}, training success {m['success']:.2f}",
             f"  page    {os.path.join(run_dir, TOKEN_PAGE)}   curves {os.path.join(run_dir, 'curves.png')}"]

@@ -67,7 +67,7 @@ def test_page_holds_the_skill_and_one_shaded_token_per_response_token(tokenizer,
     lines = runfolder.what_seed_did(str(tmp_path))
     text = "\n".join(lines)
     assert "update 7" in lines[0] and "won episode" in lines[0] and SKILL in text and "Make 12" in text
-    assert "OPD loss 0.0200" in text and "tied groups 0.50" in text and "tokens.html" in text
+    assert "OPD loss 0.02," in text and "tied groups 0.50" in text and "tokens.html" in text
     assert len(lines) <= 8 and all(len(x) < 400 for x in lines)
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
