@@ -182,8 +182,10 @@ def test_evaluate_metrics(tokenizer):
     envs = [ToyEnv(max_steps=4) for _ in range(4)]
     tasks = list(range(9))
     res = rollout.evaluate(ScriptedEngine(tokenizer, expert), tokenizer, envs, tasks)
-    assert len(res) == 9 and all(won == 1.0 and bad == 0 and reward > 0 for _, won, _, bad, reward in res)
+    assert len(res) == 9 and all(won == 1.0 and bad == 0 and reward > 0 and math.isnan(score)
+                                 for _, won, _, bad, reward, score in res)     # the toy env reports no score
     m = rollout.eval_metrics(res, "eval/test")
+    assert "eval/test/score" not in m
     assert m["eval/test/success"] == m["eval/test/success_macro"] == m["eval/test/success_low"] == 1.0
     assert m["eval/test/success_high"] == 1.0 and 1 <= m["eval/test/length"] <= 4
     assert m["eval/test/invalid_rate"] == 0.0 and m["eval/test/reward"] == pytest.approx(sum(r[4] for r in res) / 9)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import rollout
 import runfolder
 import seed
 
@@ -39,7 +40,7 @@ def test_resume_with_other_settings_stops_naming_each_field(flags, named, tmp_pa
     """./run.sh alfworld grpo after a SEED run in the same folder used to continue SEED's checkpoint as GRPO."""
     out = a_run(tmp_path)
     saved = open(os.path.join(out, "config.json")).read()
-    monkeypatch.setattr(seed, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(rollout, "load_policy", lambda *a, **kw: pytest.fail("a model was loaded"))
     argv = BASE + ["--out", out, "--resume", *flags]
     if "--env" in flags:
         argv = argv[2:]
