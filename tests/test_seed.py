@@ -152,7 +152,7 @@ def test_stage1_draws_m_over_6_tasks_per_alfworld_family(tmp_path):
     (["--env", "sokoban", "--train_fraction", "1.5"], "--train_fraction must be in (0, 1]"),
     (["--env", "sokoban", "--skill_mode", "steps"], "--skill_mode must be"),
     (["--env", "sokoban", "--skill_teacher_mode", "both"], "--skill_teacher_mode"),
-    (["--env", "sokoban", "--skill_mode", "step_only", "--max_step_skills", "0"], "at least 1 with"),
+    (["--env", "sokoban", "--skill_mode", "step_only", "--max_step_skills", "0"], "needs --max_step_skills 1 or more"),
 ])
 def test_bad_flags_stop_at_start_up(flags, words, capsys):
     with pytest.raises(SystemExit) as e:
