@@ -573,7 +573,7 @@ def what_seed_did(run_dir, top=4):
     if not os.path.exists(os.path.join(run_dir, TOKEN_ROWS)):
         return [f"no {TOKEN_ROWS} in {run_dir}: no update re-scored a skill"]
     saved = json.load(open(os.path.join(run_dir, TOKEN_ROWS)))
-    m = [x for x in read_metrics(run_dir) if x.get("update") == saved["update"] and "success" in x][-1]
+    m = ([x for x in read_metrics(run_dir) if x.get("update") == saved["update"] and "success" in x] or [{}])[-1]
     ep = [r for r in saved["rows"] if r["episode"] == saved["rows"][0]["episode"]]
     moved = sorted(((abs(ls - lp), t, lp, ls, g, r["step"]) for r in ep for t, lp, ls, g in r["tokens"]),
                    key=lambda x: -x[0])[:top]
@@ -587,5 +587,5 @@ def what_seed_did(run_dir, top=4):
                                      for _, t, lp, ls, g, s in moved) + "   (student lp -> teacher lp_skill, gate)",
             f"  update  OPD loss {m.get('loss/opd', float('nan')):.3g}, GRPO loss {m.get('loss/pg', float('nan')):.3g}, "
             f"gate {m.get('gate/mean', float('nan')):.3f} +- {m.get('gate/std', float('nan')):.3f}, tied groups "
-            f"{m.get('diag/tied_groups', float('nan')):.2f}, training success {m['success']:.2f}",
+            f"{m.get('diag/tied_groups', float('nan')):.2f}, training success {m.get('success', float('nan')):.2f}",
             f"  page    {os.path.join(run_dir, TOKEN_PAGE)}   curves {os.path.join(run_dir, 'curves.png')}"]
