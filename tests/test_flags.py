@@ -61,8 +61,13 @@ SEED_CASES = [
 @pytest.mark.parametrize("flag, value, words", SEED_CASES, ids=[f"{f}={v}" for f, v, _ in SEED_CASES])
 def test_seed_flag_out_of_range_stops_at_start_up(flag, value, words, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(seed, "build_run", lambda cfg: pytest.fail("got past the start-up checks"))
+    stops_naming(seed.main, BASE + ["--out", str(tmp_path / "run"), f"--{flag}={value}"], words, capsys)
+
+
+def stops_naming(main, argv, words, capsys):
+    """main(argv) stops at start-up (exit status 2) with `words` in its message."""
     with pytest.raises(SystemExit) as e:
-        seed.main(BASE + ["--out", str(tmp_path / "run"), f"--{flag}={value}"])
+        main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and words in err, err
 
@@ -82,10 +87,7 @@ SFT_CASES = [
 @pytest.mark.parametrize("flag, value, words", SFT_CASES, ids=[f"{f}={v}" for f, v, _ in SFT_CASES])
 def test_sft_flag_out_of_range_stops_at_start_up(flag, value, words, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sft.parallel, "setup_dist", lambda s: pytest.fail("got past the start-up checks"))
-    with pytest.raises(SystemExit) as e:
-        sft.main(["--env", "sokoban", "--out", str(tmp_path / "ckpt"), f"--{flag}={value}"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and words in err, err
+    stops_naming(sft.main, ["--env", "sokoban", "--out", str(tmp_path / "ckpt"), f"--{flag}={value}"], words, capsys)
 
 
 def test_every_numeric_field_has_a_range():
