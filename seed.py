@@ -217,7 +217,7 @@ def rl_update(u, run):
         rollout.push(run.engine, run.model, run.opt)
     step_skills = algo.skills == "live" and cfg.skill_mode != "episode_only"   # the analyzer wrote step skills
     return (rollout.episode_metrics(episodes, stats) | (diagnostics.step_skill_metrics(episodes, teachers) if step_skills
-            else {}) | loss_metrics(sums, norms, algo) | {"lr": learning_rate(cfg, u)} | diag | sec, records)
+            else {}) | loss_metrics(sums, norms, algo) | {"lr": run.opt.param_groups[0]["lr"]} | diag | sec, records)
 
 
 def teacher_skills(run, algo, episodes):
