@@ -135,9 +135,11 @@ def reshard(model):
 
 
 def autocast(device, dtype):
-    """bf16 compute on GPU (fp32 master weights); plain fp32 on CPU."""
-    if device.type == "cuda" and dtype != "float32":
-        return torch.autocast("cuda", dtype=getattr(torch, dtype))
+    """bf16 compute over fp32 master weights where dtype asks for it: on GPU (the default, --dtype auto) and on a
+    CPU only when asked (--dtype bfloat16: fast with avx512_bf16 / AMX, a slow path without; bench/RESULTS.md
+    section 6); plain fp32 otherwise."""
+    if dtype != "float32":
+        return torch.autocast(device.type, dtype=getattr(torch, dtype))
     return contextlib.nullcontext()
 
 
