@@ -98,7 +98,7 @@ class Config:
     retriever_url: str = "http://127.0.0.1:8000/retrieve"   # search QA retriever (Search-R1 protocol)
     # -- engine and model
     engine: str = "vllm"               # rollout engine: vllm | hf (the transformers fallback)
-    dtype: str = "auto"                # engine dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+    dtype: str = "auto"                # engine and autocast dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     fsdp: bool = False                 # shard the policy and reference with FSDP2 (fully_shard) instead of DDP
     gradient_checkpointing: bool = False   # recompute activations in the backward (large models)
     gpu_memory_utilization: float = 0.3    # the vLLM engine's share of each GPU while awake (bench/memory.py)
