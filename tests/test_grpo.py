@@ -295,3 +295,16 @@ def test_trajectory_level_keeps_the_invalid_action_penalty():
     cfg = NS(adv_level="trajectory", adv_norm="std")
     rows, _ = grpo.make_rows(eps, steps, 0.1, cfg)
     assert rows.adv[0] == rows.adv[1] > 0 > rows.adv[2] == rows.adv[3]
+
+
+def test_cpu_autocast_only_when_bf16_is_asked():
+    """--dtype bfloat16 on a CPU runs the trainer's matmuls in bf16 (the demo's choice where the CPU has bf16
+    units); float32 (--dtype auto on a CPU) leaves them in float32, and the weights stay float32 either way."""
+    import parallel
+    layer, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    with parallel.autocast(torch.device("cpu"), "bfloat16"):
+        y = layer(x)
+    with parallel.autocast(torch.device("cpu"), "float32"):
+        z = layer(x)
+    assert y.dtype == torch.bfloat16 and z.dtype == torch.float32 and layer.weight.dtype == torch.float32
+    assert torch.allclose(y.float(), z, atol=0.05)
