@@ -405,7 +405,7 @@ def generate(out, counts, seed=0, max_expert_steps=30, workers=None, attempts=40
     workers = workers or min(os.cpu_count() or 1, 8)
     pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
     records, train_combos = [], frozenset()
-    bar = tqdm(total=sum(counts.values()), desc="alfworld games", unit="game", disable=not progress)
+    bar = tqdm(total=sum(counts.values()), desc="alfworld games", unit="game", disable=None if progress else True)   # no bar in a log file
     try:
         for split in aw.SPLITS:
             banned = train_combos if split == "valid_unseen" else frozenset()
