@@ -60,7 +60,7 @@ class SFTConfig:
     retriever_url: str = "http://127.0.0.1:8000/retrieve"   # search QA retriever
     engine: str = "vllm"               # rollout engine: vllm | hf
     image: bool = False                # image observations (a vision-language model; sokoban, ezpoints)
-    dtype: str = "auto"                # engine dtype: auto | float32 | bfloat16
+    dtype: str = "auto"                # engine and autocast dtype: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     analyzer_url: str = ""             # external analyzer API root (e.g. http://127.0.0.1:8001/v1); "" = scripted
     analyzer_model: str = ""           # model name the endpoint serves (GLM-5.2 in the paper)
     analyzer_key_env: str = "SEED_ANALYZER_KEY"   # environment variable holding the API key (never logged)
