@@ -365,6 +365,13 @@ def report(args, cache, cmd):
     return res
 
 
+def cadence_free(argv):
+    """seed.py's flags less --eval_every: the evaluation cadence may change between sittings (a run evaluates after
+    its last update whatever the cadence), every other flag must match the cached runs'."""
+    i = argv.index("--eval_every")
+    return argv[:i] + argv[i + 2:]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args, extra = parse_args(argv)
@@ -381,7 +388,7 @@ def main(argv=None):
                 built[k] = getattr(args, k)
         saved = os.path.join(cache, "bench_config.json")
         old = json.load(open(saved)) if os.path.exists(saved) else {}
-        if old and (old["seed_argv"] != shared or old.get("checkpoint_flags", built) != built):
+        if old and (cadence_free(old["seed_argv"]) != cadence_free(shared) or old.get("checkpoint_flags", built) != built):
             sys.exit(f"{cache} holds runs made with other flags ({saved}); pass another --name")
         checkpoints(args, cache, warm, stage1)
         with open(saved, "w") as f:

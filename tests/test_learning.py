@@ -76,6 +76,25 @@ def test_a_cache_built_with_other_warm_start_flags_stops_before_anything_runs(tm
     (cache / "bench_config.json").write_text(json.dumps({"seed_argv": shared, "checkpoint_flags": flags}))
     with pytest.raises(SystemExit, match="other flags"):
         learning.main(["--warmup_tasks", "400"])
+    with pytest.raises(SystemExit, match="other flags"):
+        learning.main(["--kl_coef", "0.5"])
+
+
+def test_a_resume_may_change_the_evaluation_cadence(tmp_path, monkeypatch):
+    """A later sitting may evaluate less often (--eval_every) on the cached runs; the check lets that through."""
+    from bench import common
+    monkeypatch.setattr(common, "BENCH_CACHE", str(tmp_path))
+    ran = []
+    monkeypatch.setattr(learning, "checkpoints", lambda *a: None)
+    monkeypatch.setattr(learning, "run_all", lambda args, cache, shared, *a: ran.append(shared))
+    monkeypatch.setattr(learning, "report", lambda *a: None)
+    args, extra = learning.parse_args(["--eval_every", "3"])
+    cache = tmp_path / "learning" / args.name
+    cache.mkdir(parents=True)
+    shared = learning.seed_argv(args, str(cache / "stage1"), extra)
+    (cache / "bench_config.json").write_text(json.dumps({"seed_argv": shared}))
+    learning.main(["--eval_every", "6"])
+    assert ran and ran[0][ran[0].index("--eval_every") + 1] == "6"
 
 
 def test_the_shared_start_is_evaluated_once(tmp_path, monkeypatch):
