@@ -45,8 +45,10 @@ def shift_samples(lp, lp_skill, action, thought, adv, beta=5.0):
     thought tokens, and delta on the tokens where the student was unsure (its own probability below 0.5). lp,
     lp_skill: one 1-D tensor per row; action, thought: one bool list per row; adv: one float per row.
     -> {"response", "action", "thought", "unsure": [delta], "rows": [(gate, adv)], "row_max", "row_max_thought":
-    [max |delta|]}, plain floats (so that ranks can gather them)."""
-    out = {"response": [], "action": [], "thought": [], "unsure": [], "rows": [], "row_max": [], "row_max_thought": []}
+    [max |delta|], "lp", "adv": [the student's lp, the row's advantage] per response token}, plain floats (so that
+    ranks can gather them)."""
+    out = {"response": [], "action": [], "thought": [], "unsure": [], "rows": [], "row_max": [], "row_max_thought": [],
+           "lp": [], "adv": []}
     for p, s, am, tm, a in zip(lp, lp_skill, action, thought, adv):
         p = p.detach().float().cpu()                                               # [tokens]
         d = s.detach().float().cpu() - p                                           # [tokens]
@@ -55,6 +57,8 @@ def shift_samples(lp, lp_skill, action, thought, adv, beta=5.0):
         out["action"] += d[am].tolist()
         out["thought"] += d[tm].tolist()
         out["unsure"] += d[p < math.log(0.5)].tolist()
+        out["lp"] += p.tolist()
+        out["adv"] += [float(a)] * len(d)
         if len(d):
             out["rows"].append((float(gates(torch.zeros_like(d), d, beta).mean()), float(a)))
             out["row_max"].append(float(d.abs().max()))
@@ -101,6 +105,35 @@ def shift_metrics(samples, beta=5.0, big=0.5):
                   else nan, "unsure_tokens": len(u), "gate_mean_response": float(g.mean()) if len(g) else nan}
 
 
+def gradient_split(samples, beta=5.0, big=0.5):
+    """Appendix A's two parts of OPD's gradient, on the sampled tokens, against GRPO's on the same tokens. A token's
+    loss term c * lp has the derivative c (1 - p) on its own logit (p: the token's probability): GRPO's c is the
+    row's advantage A, OPD's the gate g = Z + (g - Z), where Z (the gate's mean over the response tokens) reaches
+    every token alike, imitation of the policy's own samples (zero in expectation, not in a sample), and g - Z is
+    what the skill adds. Decision tokens: |delta| > big (the skill moved them). -> opd_skill_mass (share of OPD's
+    sum of |c| (1 - p) that is g - Z's), decision_token_share, decision_opd_over_pg (at the decision tokens,
+    sum |g - Z| (1 - p) over sum |A| (1 - p): OPD's skill part against GRPO at lambda_opd 1, times lambda_opd for a
+    run's), decision_tied_share (decision tokens in a tied group, A = 0: GRPO gives them nothing, OPD does) and
+    decision_agree (over decision tokens with A != 0, the share where g - Z and A have one sign: the teacher
+    pushes where the outcome does). nan where there is nothing to measure."""
+    nan = float("nan")
+    d = torch.tensor(samples.get("response", []), dtype=torch.float64)           # [tokens]
+    if not len(d) or len(samples.get("lp", [])) != len(d):
+        return {}
+    w = 1 - torch.tensor(samples["lp"], dtype=torch.float64).exp()               # [tokens] 1 - p
+    a = torch.tensor(samples["adv"], dtype=torch.float64)                        # [tokens] the row's advantage
+    g = torch.sigmoid(beta * d)                                                  # [tokens]
+    skill, z = ((g - g.mean()).abs() * w).sum(), (g.mean() * w).sum()
+    dec = d.abs() > big                                                          # [tokens] decision tokens
+    pg, live = (a[dec].abs() * w[dec]).sum(), dec & (a != 0)
+    return {"opd_skill_mass": float(skill / (skill + z)) if skill + z > 0 else nan,
+            "decision_token_share": float(dec.double().mean()),
+            "decision_opd_over_pg": float(((g - g.mean())[dec].abs() * w[dec]).sum() / pg) if pg > 0 else nan,
+            "decision_tied_share": float((a[dec] == 0).double().mean()) if dec.any() else nan,
+            "decision_agree": float(((g - g.mean())[live].sign() == a[live].sign()).double().mean()) if live.any()
+            else nan}
+
+
 def teacher_diagnostics(tok, cfg, rows, lp_old, steps, teachers, groups):
     """Per update, over all ranks, after the update: diag/tied_groups (share of groups whose rewards all tie:
     GRPO's gradient is zero there) and, where a teacher was scored (`teachers` not None), shift_metrics of
@@ -116,7 +149,8 @@ def teacher_diagnostics(tok, cfg, rows, lp_old, steps, teachers, groups):
     local = shift_samples([lp_old[i] for i in todo], [rows.lp_skill[i] for i in todo], [m[0] for m in masks],
                           [m[1] for m in masks], [float(rows.adv[i]) for i in todo], cfg.beta_opd)
     merged = {k: [x for part in gather(local) for x in part[k]] for k in local}
-    return out | {f"diag/{k}": v for k, v in shift_metrics(merged, cfg.beta_opd).items()}
+    return out | {f"diag/{k}": v for k, v in (shift_metrics(merged, cfg.beta_opd)
+                                              | gradient_split(merged, cfg.beta_opd)).items()}
 
 
 def shown_rows(tok, rows, lp_old, steps, episodes, row_episode, beta=5.0, max_episodes=2):

@@ -263,3 +263,33 @@ def test_a_one_token_decision_shows_in_the_row_statistics_not_the_percentiles():
     still = diagnostics.shift_metrics(diagnostics.shift_samples(lp, lp, action, thought, [0.0] * n), beta=5.0)
     assert still["row_shift_share"] == still["unsure_shift_share"] == still["row_max_delta_p50"] == 0.0
     assert still["gate_mean_response"] == pytest.approx(0.5)
+
+
+def test_the_gradient_split_at_decision_tokens():
+    """diagnostics.gradient_split: c (1 - p) is the derivative of c * lp on the sampled token's own logit (checked
+    by autograd); the teacher that moves only the decision token puts all of OPD's skill-dependent mass there, up
+    where the row won and down where it lost (decision_agree 1 against GRPO's advantages), nothing of it in a
+    tied group; a teacher that moves nothing leaves OPD only its imitation part (opd_skill_mass 0)."""
+    z = torch.randn(7, requires_grad=True)
+    c, y = 0.37, 3
+    (c * torch.log_softmax(z, -1)[y]).backward()
+    assert float(z.grad[y]) == pytest.approx(c * (1 - float(torch.softmax(z.detach(), -1)[y])), rel=1e-5)
+
+    T, decision = 10, 4
+    thought, action = [[t < 8 for t in range(T)]] * 4, [[t >= 8 for t in range(T)]] * 4
+    lp = [torch.full((T,), -0.05) for _ in range(4)]
+    for x in lp:
+        x[decision] = math.log(0.3)
+    adv = [1.0, -1.0, 1.0, -1.0]                                 # rows 0, 2 won, rows 1, 3 lost
+    moved = [x.clone() for x in lp]
+    for x, a in zip(moved, adv):
+        x[decision] += 2.0 if a > 0 else -2.0                    # the oracle agrees with the outcome
+    m = diagnostics.gradient_split(diagnostics.shift_samples(lp, moved, action, thought, adv), beta=5.0)
+    assert m["decision_token_share"] == pytest.approx(1 / T) and m["decision_agree"] == 1.0
+    assert m["decision_tied_share"] == 0.0 and 0 < m["opd_skill_mass"] < 1
+    ratio = abs(float(torch.sigmoid(torch.tensor(10.0))) - 0.5)   # |g - Z| at a decision token (Z = 0.5 here)
+    assert m["decision_opd_over_pg"] == pytest.approx(ratio, rel=0.02)
+    tied = diagnostics.gradient_split(diagnostics.shift_samples(lp, moved, action, thought, [0.0] * 4), beta=5.0)
+    assert tied["decision_tied_share"] == 1.0 and math.isnan(tied["decision_agree"])
+    still = diagnostics.gradient_split(diagnostics.shift_samples(lp, lp, action, thought, adv), beta=5.0)
+    assert still["opd_skill_mass"] == 0.0 and still["decision_token_share"] == 0.0

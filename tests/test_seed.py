@@ -677,6 +677,7 @@ def test_teacher_diagnostics_in_metrics(tmp_path, monkeypatch):
     assert m["diag/gate_std_action"] > 0 and m["diag/gate_std_response"] > 0 and 0 <= m["diag/action_shift_share"] <= 1
     assert math.isfinite(m["diag/gate_adv_cov"])                      # 4 episodes: several rows, never nan
     assert all(k in m for k in ("diag/delta_thought_p50", "diag/delta_action_mean", "sec/diagnostics"))
+    assert 0 <= m["diag/opd_skill_mass"] <= 1 and 0 <= m["diag/decision_token_share"] <= 1   # Appendix A's split
     eps = [json.loads(x) for x in open(os.path.join(out, "episodes", "update_0000.jsonl"))]
     assert eps and all(e["skill"] == "Add the two card values, then write '='." for e in eps)
     shutil.rmtree(os.path.join(out, "checkpoint"), ignore_errors=True)
