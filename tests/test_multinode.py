@@ -1,4 +1,4 @@
-"""Beyond one node (README: beyond one node): the multi-node launch, two torchrun "nodes" of one process each on
+"""Beyond one node (docs/gpu.md: beyond one node): the multi-node launch, two torchrun "nodes" of one process each on
 this machine, joined through a c10d rendezvous on loopback (gloo), runs the same policy update as one node of two
 processes. The update is tests/dist_update.py's (seed.update_policy on fixed rows), so a change to that entry
 point is made in one place for both tests."""
@@ -27,7 +27,7 @@ def one_node(out):
 
 
 def two_nodes(out):
-    """README's multi-node command with --nnodes 2 --nproc_per_node 1, both nodes on loopback (node 0 hosts the
+    """docs/gpu.md's multi-node command with --nnodes 2 --nproc_per_node 1, both nodes on loopback (node 0 hosts the
     rendezvous store)."""
     endpoint = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(RUN + ["--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1",
