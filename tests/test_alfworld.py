@@ -6,6 +6,7 @@ generated games go through the same loader, engine and expert.
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -366,3 +367,39 @@ def test_hidden_target_lies_in_its_usual_place_most_of_the_time():
     assert set(spots) == {"Drawer", "Shelf"}
     assert abs(spots.count(best) / len(spots) - gen.USUAL) < 0.03
     assert gen.usual_rank("Book", "Drawer") == gen.usual_rank("Book", "Drawer") != gen.usual_rank("Pen", "Drawer")
+
+
+class FirstGoTo:
+    """A scripted engine for the first-move probe: always goes to the first receptacle the prompt's admissible
+    actions list (real token ids of the given tokenizer)."""
+
+    def __init__(self, tok):
+        self.tok, self.eos, self.max_model_len = tok, tok.convert_tokens_to_ids("<|im_end|>"), 4096
+
+    def generate(self, prompt_ids_list, temperature, max_tokens, n=1):
+        out = []
+        for ids in prompt_ids_list:
+            first = next(a for a in re.findall(r'"([^"]+)"', self.tok.decode(ids)) if a.startswith("go to "))
+            toks = self.tok.encode(respond(first), add_special_tokens=False) + [self.eos]
+            out += [(toks, [-1.0] * len(toks))] * n
+        return out
+
+
+def test_the_first_move_probe_counts_moves_to_where_the_object_lay(hidden, tokenizer):
+    """bench/first_guess.py on real hidden rooms: a policy that always goes to the first listed receptacle is right
+    exactly on the tasks whose walkthrough starts there, every sample alike."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import first_guess
+    import seed
+    out, _ = hidden
+    cfg = seed.parse_config(["--env", "alfworld", "--data_dir", str(out), "--max_steps", "1", "--history_length", "0",
+                             "--max_tokens", "48"])
+    got = first_guess.first_moves(FirstGoTo(tokenizer), tokenizer, cfg, "valid_seen", [0, 1, 2, 3], 3, 0.4)
+    env = aw.AlfWorldEnv(data_dir=str(out), split="valid_seen", max_steps=1)
+    for t, g in zip(range(4), got):
+        obs, info = env.reset(seed=t)
+        first = next(a for a in env.admissible if a.startswith("go to "))
+        assert g["target"] == info["expert_plan"][0] and g["valid"] == g["n"] == 3
+        assert g["right"] == 3 * (first == info["expert_plan"][0]) and set(g["actions"]) == {first}
+    s = first_guess.summary(got)
+    assert s["distinct"] == 1.0 and s["right"] == sum(g["right"] for g in got) / 12
