@@ -369,9 +369,10 @@ def test_hidden_target_lies_in_its_usual_place_most_of_the_time():
     assert gen.usual_rank("Book", "Drawer") == gen.usual_rank("Book", "Drawer") != gen.usual_rank("Pen", "Drawer")
 
 
+
 class FirstGoTo:
-    """A scripted engine for the first-move probe: always goes to the first receptacle the prompt's admissible
-    actions list (real token ids of the given tokenizer)."""
+    """A scripted engine for the route probe: always goes to the first receptacle the prompt's admissible actions
+    list (real token ids of the given tokenizer)."""
 
     def __init__(self, tok):
         self.tok, self.eos, self.max_model_len = tok, tok.convert_tokens_to_ids("<|im_end|>"), 4096
@@ -385,21 +386,25 @@ class FirstGoTo:
         return out
 
 
-def test_the_first_move_probe_counts_moves_to_where_the_object_lay(hidden, tokenizer):
-    """bench/first_guess.py on real hidden rooms: a policy that always goes to the first listed receptacle is right
-    exactly on the tasks whose walkthrough starts there, every sample alike."""
+def test_the_route_probe_reads_how_an_episode_went(hidden, tokenizer):
+    """bench/route_probe.py on real hidden rooms: a policy that always goes to the first listed receptacle has its
+    first move right exactly where the walkthrough starts there, never takes, moves or wins; the flags of a
+    premature move and of a cut action, on hand-written episodes."""
     sys.path.insert(0, str(REPO / "bench"))
-    import first_guess
+    import route_probe
     import seed
     out, _ = hidden
-    cfg = seed.parse_config(["--env", "alfworld", "--data_dir", str(out), "--max_steps", "1", "--history_length", "0",
+    cfg = seed.parse_config(["--env", "alfworld", "--data_dir", str(out), "--max_steps", "2", "--history_length", "0",
                              "--max_tokens", "48"])
-    got = first_guess.first_moves(FirstGoTo(tokenizer), tokenizer, cfg, "valid_seen", [0, 1, 2, 3], 3, 0.4)
-    env = aw.AlfWorldEnv(data_dir=str(out), split="valid_seen", max_steps=1)
+    got = route_probe.play(FirstGoTo(tokenizer), tokenizer, cfg, "valid_seen", [0, 1, 2, 3])
+    env = aw.AlfWorldEnv(data_dir=str(out), split="valid_seen", max_steps=2)
     for t, g in zip(range(4), got):
         obs, info = env.reset(seed=t)
         first = next(a for a in env.admissible if a.startswith("go to "))
-        assert g["target"] == info["expert_plan"][0] and g["valid"] == g["n"] == 3
-        assert g["right"] == 3 * (first == info["expert_plan"][0]) and set(g["actions"]) == {first}
-    s = first_guess.summary(got)
-    assert s["distinct"] == 1.0 and s["right"] == sum(g["right"] for g in got) / 12
+        assert g["plan"] == info["expert_plan"] and g["actions"][0] == first and len(g["actions"]) == 2
+        assert g["first"] == int(first == info["expert_plan"][0]) and g["won"] == g["premature"] == g["cut"] == 0
+    plan = ["go to drawer 1", "open drawer 1", "take book 1 from drawer 1", "go to desk 1", "move book 1 to desk 1"]
+    assert route_probe.route_flags(plan, plan) == {"first": 1, "premature": 0, "cut": 0}
+    assert route_probe.route_flags(["go to shelf 1", "go", "move book 1 to desk 1"], plan) == \
+        {"first": 0, "premature": 1, "cut": 1}
+    assert route_probe.route_flags(["look", "inventory"], plan)["cut"] == 0
