@@ -26,8 +26,11 @@ def fake_repo(tmp_path):
 
 
 def recipe(repo, *args, **env):
+    """run.sh in the fake repository, with its fake .venv (a caller's $SEED_VENV, as `SEED_VENV=... ./run.sh test`
+    sets, would send run.sh to the real one)."""
+    clean = {k: v for k, v in os.environ.items() if k != "SEED_VENV"}
     p = subprocess.run(["bash", "run.sh", *args], cwd=repo, capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, **env))
+                       env=dict(clean, **env))
     lines = [x for x in p.stdout.splitlines() if x.startswith("TORCHRUN")]
     return p.returncode, lines, p.stderr
 
