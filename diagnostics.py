@@ -78,7 +78,8 @@ def shift_metrics(samples, beta=5.0, big=0.5):
     row_shift_share (rows whose largest |delta| over response tokens > big), row_max_delta_p50 (the median of that
     largest |delta|), thought_row_shift_share (the same over thought tokens), and on the tokens where the student
     was unsure (p < 0.5): unsure_shift_share (|delta| > big), delta_unsure_abs_mean, unsure_tokens; gate_mean_response
-    (the gate's mean over response tokens: Z, around which OPD promotes and suppresses, Appendix A)."""
+    (the gate's mean over response tokens: Z, around which OPD promotes and suppresses, Appendix A); and
+    gradient_split's keys (OPD's two parts against GRPO at the decision tokens)."""
     nan = float("nan")
     out = {}
     for part in ("action", "thought"):
@@ -102,7 +103,8 @@ def shift_metrics(samples, beta=5.0, big=0.5):
     return out | {"row_shift_share": share(samples.get("row_max", [])), "row_max_delta_p50": float(m.median()) if
                   len(m) else nan, "thought_row_shift_share": share(samples.get("row_max_thought", [])),
                   "unsure_shift_share": share(u.tolist()), "delta_unsure_abs_mean": float(u.abs().mean()) if len(u)
-                  else nan, "unsure_tokens": len(u), "gate_mean_response": float(g.mean()) if len(g) else nan}
+                  else nan, "unsure_tokens": len(u), "gate_mean_response": float(g.mean()) if len(g) else nan} \
+        | gradient_split(samples, beta, big)
 
 
 def gradient_split(samples, beta=5.0, big=0.5):
@@ -123,14 +125,15 @@ def gradient_split(samples, beta=5.0, big=0.5):
     w = 1 - torch.tensor(samples["lp"], dtype=torch.float64).exp()               # [tokens] 1 - p
     a = torch.tensor(samples["adv"], dtype=torch.float64)                        # [tokens] the row's advantage
     g = torch.sigmoid(beta * d)                                                  # [tokens]
-    skill, z = ((g - g.mean()).abs() * w).sum(), (g.mean() * w).sum()
+    dev = g - g.mean()                                                           # [tokens] g - Z
+    skill, z = (dev.abs() * w).sum(), (g.mean() * w).sum()
     dec = d.abs() > big                                                          # [tokens] decision tokens
     pg, live = (a[dec].abs() * w[dec]).sum(), dec & (a != 0)
     return {"opd_skill_mass": float(skill / (skill + z)) if skill + z > 0 else nan,
             "decision_token_share": float(dec.double().mean()),
-            "decision_opd_over_pg": float(((g - g.mean())[dec].abs() * w[dec]).sum() / pg) if pg > 0 else nan,
+            "decision_opd_over_pg": float((dev[dec].abs() * w[dec]).sum() / pg) if pg > 0 else nan,
             "decision_tied_share": float((a[dec] == 0).double().mean()) if dec.any() else nan,
-            "decision_agree": float(((g - g.mean())[live].sign() == a[live].sign()).double().mean()) if live.any()
+            "decision_agree": float((dev[live].sign() == a[live].sign()).double().mean()) if live.any()
             else nan}
 
 
@@ -149,8 +152,7 @@ def teacher_diagnostics(tok, cfg, rows, lp_old, steps, teachers, groups):
     local = shift_samples([lp_old[i] for i in todo], [rows.lp_skill[i] for i in todo], [m[0] for m in masks],
                           [m[1] for m in masks], [float(rows.adv[i]) for i in todo], cfg.beta_opd)
     merged = {k: [x for part in gather(local) for x in part[k]] for k in local}
-    return out | {f"diag/{k}": v for k, v in (shift_metrics(merged, cfg.beta_opd)
-                                              | gradient_split(merged, cfg.beta_opd)).items()}
+    return out | {f"diag/{k}": v for k, v in shift_metrics(merged, cfg.beta_opd).items()}
 
 
 def shown_rows(tok, rows, lp_old, steps, episodes, row_episode, beta=5.0, max_episodes=2):

@@ -114,8 +114,7 @@ def shift(model, tok, steps, skills, adv, plain, cfg, device):
     masks = [envs.response_masks(tok, steps[i].response_ids, cfg.env) for i in todo]
     samples = diagnostics.shift_samples([plain[i] for i in todo], [lps[i] for i in todo], [m[0] for m in masks],
                                 [m[1] for m in masks], [float(adv[i]) for i in todo], cfg.beta_opd)
-    return (diagnostics.shift_metrics(samples, cfg.beta_opd) | diagnostics.gradient_split(samples, cfg.beta_opd)
-            | {"rows": len(todo)})
+    return diagnostics.shift_metrics(samples, cfg.beta_opd) | {"rows": len(todo)}
 
 
 def measure(engine, model, tok, cfg, progress=False):

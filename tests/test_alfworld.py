@@ -369,7 +369,6 @@ def test_hidden_target_lies_in_its_usual_place_most_of_the_time():
     assert gen.usual_rank("Book", "Drawer") == gen.usual_rank("Book", "Drawer") != gen.usual_rank("Pen", "Drawer")
 
 
-
 class FirstGoTo:
     """A scripted engine for the route probe: always goes to the first receptacle the prompt's admissible actions
     list (real token ids of the given tokenizer)."""
